@@ -1,0 +1,232 @@
+// Multi-tensor apply for the CUDA kernels, written so the same code also runs on the host.
+//
+// A step over many tensors is cut into chunks; one launch covers up to kMaxBlocks chunks of
+// up to kMaxTensors tensors. The whole chunk map travels as a kernel argument
+// (__grid_constant__, < 32 KiB, CUDA >= 12.1), so a launch needs no host-to-device copy and a
+// CUDA graph captures it as it is. step_block() is the body of one thread block; the CUDA
+// launcher calls it from a __global__ function, the CPU emulation (CI has no GPU) calls it from
+// a loop over blocks and threads. Nothing here uses threadIdx/blockIdx or shared memory.
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "pnm_math.h"
+
+namespace pnm {
+
+constexpr int kBlockSize = 512;
+constexpr int64_t kDefaultChunkSize = 65536;
+constexpr int kVecBytes = 16;  // one 128-bit load or store per list and thread
+
+// Lists, in this order in every table: 0 param, 1 grad, 2 positive buffer (pos_momentum /
+// exp_avg), 3 negative buffer (neg_momentum / neg_exp_avg), 4 exp_avg_sq, 5 max_exp_avg_sq.
+// Only the buffer of the step's parity is written; grads and the other buffer are read only.
+PNM_HOST_DEVICE constexpr bool is_written(int list) { return list != 1 && list != 3; }
+
+template <bool kDecoupled>
+struct PnmAlgo {
+  static constexpr int kLists = 4;
+  static constexpr bool kAdaptive = false;
+  PNM_HOST_DEVICE static void apply(float* e, const Coeffs& c) {
+    pnm_element<kDecoupled>(e[0], e[1], e[2], e[3], c);
+  }
+};
+
+template <bool kDecoupled, bool kAmsgrad>
+struct AdaPnmAlgo {
+  static constexpr int kLists = kAmsgrad ? 6 : 5;
+  static constexpr bool kAdaptive = true;
+  PNM_HOST_DEVICE static void apply(float* e, const Coeffs& c) {
+    // Without AMSGrad, v_max is never touched; e[kLists - 1] only fills the slot.
+    adapnm_element<kDecoupled, kAmsgrad>(e[0], e[1], e[2], e[3], e[4], e[kLists - 1], c);
+  }
+};
+
+template <int kLists>
+struct LaunchTable {
+  static constexpr int kMaxBlocks = 1280;
+  static constexpr int kMaxTensors = (30000 - 6 * kMaxBlocks) / (8 * kLists + 16);
+  void* ptrs[kLists][kMaxTensors];
+  float* steps[kMaxTensors];
+  int64_t numels[kMaxTensors];
+  int32_t block_chunk[kMaxBlocks];    // chunk index inside its tensor
+  uint16_t block_tensor[kMaxBlocks];  // tensor slot in this table
+  int64_t chunk_size;
+  int num_tensors;
+  int num_blocks;
+};
+
+// Step counters are incremented by a second, tiny launch after every launch that reads them.
+struct StepCounterTable {
+  static constexpr int kMax = 1024;
+  float* steps[kMax];
+  int count;
+};
+
+// Scalars shared by every block of a step. Pointers are device pointers (host ones when
+// emulated); lr_ptr, grad_scale and found_inf may be null.
+struct StepArgs {
+  Hyper hyper;
+  double lr;
+  const float* lr_ptr;
+  const float* grad_scale;
+  const float* found_inf;
+};
+
+// Test hook: smaller chunks and tables make chunk and launch boundaries reachable with small
+// tensors. Zero means "the default / the table's capacity".
+struct LaunchLimits {
+  int64_t chunk_size = kDefaultChunkSize;
+  int max_tensors = 0;
+  int max_blocks = 0;
+};
+LaunchLimits& launch_limits();
+
+template <typename T, int N>
+struct alignas(sizeof(T) * N) Pack {
+  T v[N];
+};
+
+// The body of one thread block: one chunk of one tensor.
+template <typename T, class Algo>
+PNM_HOST_DEVICE void step_block(const LaunchTable<Algo::kLists>& tab, const StepArgs& args,
+                                int block, int thread, int block_dim) {
+  constexpr int L = Algo::kLists;
+  constexpr int kVec = kVecBytes / sizeof(T);
+  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+
+  const int slot = tab.block_tensor[block];
+  const int64_t begin = static_cast<int64_t>(tab.block_chunk[block]) * tab.chunk_size;
+  const int64_t left = tab.numels[slot] - begin;
+  const int64_t n = left < tab.chunk_size ? left : tab.chunk_size;
+  // The counter is incremented only after every block has read it: this step is t = old + 1.
+  const double step = static_cast<double>(*tab.steps[slot]) + 1.0;
+  const bool odd = (static_cast<int64_t>(step) & 1) != 0;
+  const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+  const Coeffs c = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
+  const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
+
+  T* ptr[L];
+  bool aligned = true;
+PNM_UNROLL
+  for (int l = 0; l < L; ++l) {
+    ptr[l] = static_cast<T*>(tab.ptrs[l][slot]) + begin;
+    aligned = aligned && reinterpret_cast<uintptr_t>(ptr[l]) % kVecBytes == 0;
+  }
+  if (!odd) {  // even steps update the negative buffer and read the positive one
+    T* tmp = ptr[2];
+    ptr[2] = ptr[3];
+    ptr[3] = tmp;
+  }
+
+  int64_t scalar_begin = 0;
+  if (aligned) {
+    const int64_t n_vec = n / kVec;
+    for (int64_t v = thread; v < n_vec; v += block_dim) {
+      float r[L][kVec];
+PNM_UNROLL
+      for (int l = 0; l < L; ++l) {
+        const Pack<T, kVec> pack = reinterpret_cast<const Pack<T, kVec>*>(ptr[l])[v];
+PNM_UNROLL
+        for (int j = 0; j < kVec; ++j) r[l][j] = static_cast<float>(pack.v[j]);
+      }
+PNM_UNROLL
+      for (int j = 0; j < kVec; ++j) {
+        float e[L];
+PNM_UNROLL
+        for (int l = 0; l < L; ++l) e[l] = r[l][j];
+        e[1] *= gf;
+        Algo::apply(e, c);
+PNM_UNROLL
+        for (int l = 0; l < L; ++l) r[l][j] = e[l];
+      }
+PNM_UNROLL
+      for (int l = 0; l < L; ++l) {
+        if (!is_written(l)) continue;
+        Pack<T, kVec> pack;
+PNM_UNROLL
+        for (int j = 0; j < kVec; ++j) pack.v[j] = static_cast<T>(r[l][j]);
+        reinterpret_cast<Pack<T, kVec>*>(ptr[l])[v] = pack;
+      }
+    }
+    scalar_begin = n_vec * kVec;
+  }
+  // Masked path: the tail of an aligned chunk, or a whole chunk with a misaligned tensor.
+  for (int64_t i = scalar_begin + thread; i < n; i += block_dim) {
+    float e[L];
+PNM_UNROLL
+    for (int l = 0; l < L; ++l) e[l] = static_cast<float>(ptr[l][i]);
+    e[1] *= gf;
+    Algo::apply(e, c);
+PNM_UNROLL
+    for (int l = 0; l < L; ++l) {
+      if (is_written(l)) ptr[l][i] = static_cast<T>(e[l]);
+    }
+  }
+}
+
+PNM_HOST_DEVICE void increment_steps(const StepCounterTable& tab, const float* found_inf,
+                                     int thread, int block_dim) {
+  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  for (int i = thread; i < tab.count; i += block_dim) *tab.steps[i] += 1.0f;
+}
+
+// Host side: cut tensors into chunks and fill launch tables. ptrs[i * kLists + l] is list l's
+// pointer for tensor i. A tensor whose chunks do not fit is continued in the next table.
+template <int kLists>
+std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptrs,
+                                               float* const* steps, const int64_t* numels,
+                                               const LaunchLimits& limits) {
+  using Table = LaunchTable<kLists>;
+  const int max_tensors = limits.max_tensors > 0 && limits.max_tensors < Table::kMaxTensors
+                              ? limits.max_tensors : Table::kMaxTensors;
+  const int max_blocks = limits.max_blocks > 0 && limits.max_blocks < Table::kMaxBlocks
+                             ? limits.max_blocks : Table::kMaxBlocks;
+  std::vector<Table> tables;
+  Table* cur = nullptr;
+  auto open_table = [&]() {
+    tables.emplace_back();
+    cur = &tables.back();
+    cur->chunk_size = limits.chunk_size;
+    cur->num_tensors = 0;
+    cur->num_blocks = 0;
+  };
+  auto add_tensor = [&](int i) {
+    const int slot = cur->num_tensors++;
+    for (int l = 0; l < kLists; ++l) cur->ptrs[l][slot] = ptrs[i * kLists + l];
+    cur->steps[slot] = steps[i];
+    cur->numels[slot] = numels[i];
+    return slot;
+  };
+  for (int i = 0; i < num_tensors; ++i) {
+    if (numels[i] == 0) continue;  // nothing to update; its counter is still incremented
+    if (cur == nullptr || cur->num_tensors == max_tensors) open_table();
+    int slot = add_tensor(i);
+    const int64_t chunks = (numels[i] + limits.chunk_size - 1) / limits.chunk_size;
+    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
+      if (cur->num_blocks == max_blocks) {
+        open_table();
+        slot = add_tensor(i);
+      }
+      cur->block_tensor[cur->num_blocks] = static_cast<uint16_t>(slot);
+      cur->block_chunk[cur->num_blocks] = static_cast<int32_t>(chunk);
+      ++cur->num_blocks;
+    }
+  }
+  return tables;
+}
+
+inline std::vector<StepCounterTable> plan_step_counters(int num_tensors, float* const* steps) {
+  std::vector<StepCounterTable> tables;
+  for (int i = 0; i < num_tensors; ++i) {
+    if (i % StepCounterTable::kMax == 0) {
+      tables.emplace_back();
+      tables.back().count = 0;
+    }
+    tables.back().steps[tables.back().count++] = steps[i];
+  }
+  return tables;
+}
+
+}  // namespace pnm

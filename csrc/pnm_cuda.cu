@@ -1,0 +1,61 @@
+// CUDA launcher: the block body and launch tables of multi_tensor_apply.h on the GPU.
+// Everything but the launch itself is shared with the CPU emulation that CI executes.
+#include <ATen/core/Tensor.h>
+#include <c10/cuda/CUDAException.h>
+#include <c10/cuda/CUDAGuard.h>
+#include <c10/cuda/CUDAStream.h>
+#include <torch/library.h>
+
+#include "step_call.h"
+
+namespace pnm {
+namespace {
+
+// __grid_constant__: the table is read in place from kernel-parameter memory, never copied
+// into per-thread local memory.
+template <typename T, class Algo>
+__global__ void __launch_bounds__(kBlockSize)
+    step_kernel(const __grid_constant__ LaunchTable<Algo::kLists> table, const StepArgs args) {
+  step_block<T, Algo>(table, args, blockIdx.x, threadIdx.x, blockDim.x);
+}
+
+__global__ void increment_kernel(const __grid_constant__ StepCounterTable table,
+                                 const float* found_inf) {
+  increment_steps(table, found_inf, threadIdx.x, blockDim.x);
+}
+
+template <typename T, class Algo>
+void run_cuda(const StepCall& call, const StepArgs& args) {
+  const GatheredPointers g = gather_pointers(call);
+  const int n = static_cast<int>(call.size());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (const auto& table : plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(),
+                                                       g.numels.data(), launch_limits())) {
+    step_kernel<T, Algo><<<table.num_blocks, kBlockSize, 0, stream>>>(table, args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  for (const auto& counters : plan_step_counters(n, g.steps.data())) {
+    increment_kernel<<<1, 256, 0, stream>>>(counters, args.found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+struct Cuda {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
+  static void run(const StepCall& call) {
+    if (call.size() == 0) return;
+    const c10::cuda::CUDAGuard guard(call.lists[0][0].device());
+    const StepArgs args = make_step_args(call);
+    dispatch_step(call, [&](auto t, auto a) {
+      run_cuda<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+    });
+  }
+};
+
+}  // namespace
+}  // namespace pnm
+
+TORCH_LIBRARY_IMPL(pnm_kernels, CUDA, m) {
+  m.impl("pnm_step_", &pnm::pnm_step_op<pnm::Cuda>);
+  m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::Cuda>);
+}

@@ -1,0 +1,378 @@
+// Op schemas, argument checks, the fused CPU kernels, and the CPU emulation of the CUDA
+// kernels. The CUDA launcher lives in pnm_cuda.cu and shares everything but the launch.
+#include <Python.h>
+
+#include <ATen/Parallel.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cmath>
+#include <type_traits>
+
+#include "step_call.h"
+
+namespace pnm {
+
+LaunchLimits& launch_limits() {
+  static LaunchLimits limits;
+  return limits;
+}
+
+namespace {
+
+constexpr const char* kPnmListNames[] = {"params", "grads", "pos_momentums", "neg_momentums"};
+constexpr const char* kAdaPnmListNames[] = {"params",       "grads",      "exp_avgs",
+                                            "neg_exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
+
+// Same memory layout: equal strides on every dimension that has more than one element.
+bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
+                         const c10::Device& device, bool cpu_allowed) {
+  if (!t.has_value()) return;
+  TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kFloat,
+              "pnm_kernels: ", name, " must be a float32 tensor with one element, got ",
+              t->scalar_type(), " with ", t->numel(), " elements");
+  TORCH_CHECK(t->device() == device || (cpu_allowed && t->device().is_cpu()),
+              "pnm_kernels: ", name, " is on ", t->device(), " but params are on ", device);
+}
+
+void check_call(const StepCall& call, const char* const* names, c10::DeviceType device_type) {
+  const size_t n = call.lists[0].size();
+  for (int l = 1; l < call.num_lists; ++l) {
+    TORCH_CHECK(call.lists[l].size() == n, "pnm_kernels: ", names[l], " has ",
+                call.lists[l].size(), " tensors but params has ", n);
+  }
+  TORCH_CHECK(call.steps.size() == n, "pnm_kernels: steps has ", call.steps.size(),
+              " tensors but params has ", n);
+  const Hyper& h = call.hyper;
+  TORCH_CHECK(std::isfinite(call.lr) && call.lr >= 0.0, "pnm_kernels: invalid lr ", call.lr);
+  TORCH_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, "pnm_kernels: invalid beta1 ", h.beta1);
+  TORCH_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, "pnm_kernels: invalid beta2 ", h.beta2);
+  TORCH_CHECK(std::isfinite(h.beta0), "pnm_kernels: invalid beta0 ", h.beta0);
+  TORCH_CHECK(std::isfinite(h.eps) && h.eps >= 0.0, "pnm_kernels: invalid eps ", h.eps);
+  TORCH_CHECK(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0,
+              "pnm_kernels: invalid weight_decay ", h.weight_decay);
+  if (n == 0) return;
+
+  const at::Tensor& first = call.lists[0][0];
+  const c10::Device device = first.device();
+  const at::ScalarType dtype = first.scalar_type();
+  TORCH_CHECK(device.type() == device_type, "pnm_kernels: this kernel takes ",
+              c10::DeviceTypeName(device_type), " tensors, but params[0] is on ", device);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+              "pnm_kernels: params[0] has dtype ", dtype,
+              "; the fused kernels take float32, float16 and bfloat16");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = call.lists[0][i];
+    for (int l = 0; l < call.num_lists; ++l) {
+      const at::Tensor& t = call.lists[l][i];
+      TORCH_CHECK(t.defined(), "pnm_kernels: ", names[l], "[", i, "] is undefined");
+      TORCH_CHECK(t.layout() == at::kStrided, "pnm_kernels: ", names[l], "[", i,
+                  "] is sparse; PNM/AdaPNM do not support sparse tensors");
+      TORCH_CHECK(t.device() == device, "pnm_kernels: ", names[l], "[", i, "] is on ",
+                  t.device(), " but params[0] is on ", device);
+      TORCH_CHECK(t.scalar_type() == dtype, "pnm_kernels: ", names[l], "[", i, "] has dtype ",
+                  t.scalar_type(), " but params[0] has ", dtype,
+                  " (one call takes one dtype; group tensors by dtype)");
+      TORCH_CHECK(t.sizes() == p.sizes(), "pnm_kernels: ", names[l], "[", i, "] has shape ",
+                  t.sizes(), " but params[", i, "] has shape ", p.sizes());
+      TORCH_CHECK(t.is_non_overlapping_and_dense() && same_layout(t, p), "pnm_kernels: ",
+                  names[l], "[", i, "] must be dense and laid out like params[", i,
+                  "] (strides ", t.strides(), " vs ", p.strides(), ")");
+    }
+    const at::Tensor& s = call.steps[i];
+    TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat &&
+                    s.device() == device,
+                "pnm_kernels: steps[", i, "] must be a float32 tensor with one element on ",
+                device);
+  }
+  check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*cpu_allowed=*/true);
+  check_scalar_tensor(call.grad_scale, "grad_scale", device, false);
+  check_scalar_tensor(call.found_inf, "found_inf", device, false);
+}
+
+}  // namespace
+
+StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
+                       at::TensorList neg_momentums, at::TensorList steps, double lr,
+                       double beta1, double beta0, double weight_decay, bool decoupled,
+                       bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf, c10::DeviceType device_type) {
+  StepCall call;
+  call.num_lists = 4;
+  call.lists[0] = params.vec();
+  call.lists[1] = grads.vec();
+  call.lists[2] = pos_momentums.vec();
+  call.lists[3] = neg_momentums.vec();
+  call.steps = steps.vec();
+  call.hyper = Hyper{beta1, 0.0, beta0, 0.0, weight_decay, maximize};
+  call.lr = lr;
+  call.lr_tensor = lr_tensor;
+  call.grad_scale = grad_scale;
+  call.found_inf = found_inf;
+  call.adaptive = false;
+  call.decoupled = decoupled;
+  check_call(call, kPnmListNames, device_type);
+  return call;
+}
+
+StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
+                          at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                          double beta1, double beta2, double beta0, double eps,
+                          double weight_decay, bool amsgrad, bool decoupled, bool maximize,
+                          const std::optional<at::Tensor>& lr_tensor,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf,
+                          c10::DeviceType device_type) {
+  StepCall call;
+  call.num_lists = amsgrad ? 6 : 5;
+  call.lists[0] = params.vec();
+  call.lists[1] = grads.vec();
+  call.lists[2] = exp_avgs.vec();
+  call.lists[3] = neg_exp_avgs.vec();
+  call.lists[4] = exp_avg_sqs.vec();
+  if (amsgrad) call.lists[5] = max_exp_avg_sqs.vec();
+  call.steps = steps.vec();
+  call.hyper = Hyper{beta1, beta2, beta0, eps, weight_decay, maximize};
+  call.lr = lr;
+  call.lr_tensor = lr_tensor;
+  call.grad_scale = grad_scale;
+  call.found_inf = found_inf;
+  call.adaptive = true;
+  call.decoupled = decoupled;
+  call.amsgrad = amsgrad;
+  check_call(call, kAdaPnmListNames, device_type);
+  return call;
+}
+
+StepArgs make_step_args(const StepCall& call) {
+  StepArgs args{};
+  args.hyper = call.hyper;
+  args.lr = call.lr;
+  if (call.lr_tensor.has_value()) {
+    if (call.lr_tensor->device() == call.lists[0][0].device()) {
+      args.lr_ptr = call.lr_tensor->const_data_ptr<float>();
+    } else {  // a CPU lr for device params: read it here, no synchronisation needed
+      args.lr = static_cast<double>(*call.lr_tensor->const_data_ptr<float>());
+    }
+  }
+  if (call.grad_scale.has_value()) args.grad_scale = call.grad_scale->const_data_ptr<float>();
+  if (call.found_inf.has_value()) args.found_inf = call.found_inf->const_data_ptr<float>();
+  return args;
+}
+
+GatheredPointers gather_pointers(const StepCall& call) {
+  GatheredPointers g;
+  const int64_t n = call.size();
+  g.ptrs.reserve(n * call.num_lists);
+  g.steps.reserve(n);
+  g.numels.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int l = 0; l < call.num_lists; ++l) g.ptrs.push_back(call.lists[l][i].data_ptr());
+    g.steps.push_back(call.steps[i].data_ptr<float>());
+    g.numels.push_back(call.lists[0][i].numel());
+  }
+  return g;
+}
+
+namespace {
+
+// ---------------------------------------------------------------------------------------
+// Fused CPU kernel: one pass over memory, chunks of all tensors spread over threads with
+// at::parallel_for; fp32 loops are written for the compiler's auto-vectoriser (restrict
+// pointers, no branches); fp16/bf16 are converted through small fp32 tiles.
+
+constexpr int64_t kCpuChunk = 1 << 15;
+constexpr int64_t kCpuTile = 512;
+
+template <bool kDecoupled>
+void cpu_loop(PnmAlgo<kDecoupled>, float* const* x, int64_t n, const Coeffs& c, float gf) {
+  float* __restrict__ p = x[0];
+  const float* __restrict__ g = x[1];
+  float* __restrict__ m = x[2];
+  const float* __restrict__ m_other = x[3];
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m[i];
+    pnm_element<kDecoupled>(pi, g[i] * gf, mi, m_other[i], c);
+    p[i] = pi;
+    m[i] = mi;
+  }
+}
+
+template <bool kDecoupled, bool kAmsgrad>
+void cpu_loop(AdaPnmAlgo<kDecoupled, kAmsgrad>, float* const* x, int64_t n, const Coeffs& c,
+              float gf) {
+  float* __restrict__ p = x[0];
+  const float* __restrict__ g = x[1];
+  float* __restrict__ m = x[2];
+  const float* __restrict__ m_other = x[3];
+  float* __restrict__ v = x[4];
+  float* __restrict__ v_max = kAmsgrad ? x[5] : nullptr;
+  for (int64_t i = 0; i < n; ++i) {
+    float pi = p[i], mi = m[i], vi = v[i];
+    float vmi = kAmsgrad ? v_max[i] : 0.0f;
+    adapnm_element<kDecoupled, kAmsgrad>(pi, g[i] * gf, mi, m_other[i], vi, vmi, c);
+    p[i] = pi;
+    m[i] = mi;
+    v[i] = vi;
+    if (kAmsgrad) v_max[i] = vmi;
+  }
+}
+
+template <typename T, class Algo>
+struct CpuTensorWork {
+  T* ptr[Algo::kLists];  // parity already applied: ptr[2] is this step's buffer
+  Coeffs coeffs;
+};
+
+template <typename T, class Algo>
+void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+  constexpr int L = Algo::kLists;
+  if constexpr (std::is_same_v<T, float>) {
+    float* x[L];
+    for (int l = 0; l < L; ++l) x[l] = w.ptr[l] + begin;
+    cpu_loop(Algo{}, x, end - begin, w.coeffs, gf);
+  } else {
+    float tile[L][kCpuTile];
+    float* x[L];
+    for (int l = 0; l < L; ++l) x[l] = tile[l];
+    for (int64_t t0 = begin; t0 < end; t0 += kCpuTile) {
+      const int64_t n = std::min(kCpuTile, end - t0);
+      for (int l = 0; l < L; ++l) {
+        const T* src = w.ptr[l] + t0;
+        for (int64_t i = 0; i < n; ++i) tile[l][i] = static_cast<float>(src[i]);
+      }
+      cpu_loop(Algo{}, x, n, w.coeffs, gf);
+      for (int l = 0; l < L; ++l) {
+        if (!is_written(l)) continue;
+        T* dst = w.ptr[l] + t0;
+        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(tile[l][i]);
+      }
+    }
+  }
+}
+
+template <typename T, class Algo>
+void run_cpu_fused(const StepCall& call, const StepArgs& args) {
+  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  const int64_t n = call.size();
+  const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+  const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
+  std::vector<CpuTensorWork<T, Algo>> work(n);
+  std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
+  for (int64_t i = 0; i < n; ++i) {
+    const double step = static_cast<double>(*call.steps[i].data_ptr<float>()) + 1.0;
+    for (int l = 0; l < Algo::kLists; ++l) work[i].ptr[l] = call.lists[l][i].data_ptr<T>();
+    if ((static_cast<int64_t>(step) & 1) == 0) std::swap(work[i].ptr[2], work[i].ptr[3]);
+    work[i].coeffs = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
+    for (int64_t b = 0; b < call.lists[0][i].numel(); b += kCpuChunk) chunks.emplace_back(i, b);
+  }
+  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+    for (int64_t k = lo; k < hi; ++k) {
+      const auto [i, b] = chunks[k];
+      cpu_range(work[i], b, std::min(b + kCpuChunk, call.lists[0][i].numel()), gf);
+    }
+  });
+  for (int64_t i = 0; i < n; ++i) *call.steps[i].data_ptr<float>() += 1.0f;
+}
+
+// ---------------------------------------------------------------------------------------
+// CPU emulation of the CUDA launch: the same launch tables, the same block body, walked
+// block by block and thread by thread.
+template <typename T, class Algo>
+void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
+  const GatheredPointers g = gather_pointers(call);
+  const int n = static_cast<int>(call.size());
+  const auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(),
+                                                  g.numels.data(), launch_limits());
+  for (const auto& table : tables) {
+    for (int block = 0; block < table.num_blocks; ++block) {
+      for (int thread = 0; thread < kBlockSize; ++thread) {
+        step_block<T, Algo>(table, args, block, thread, kBlockSize);
+      }
+    }
+  }
+  for (const auto& counters : plan_step_counters(n, g.steps.data())) {
+    for (int thread = 0; thread < kBlockSize; ++thread) {
+      increment_steps(counters, args.found_inf, thread, kBlockSize);
+    }
+  }
+}
+
+struct CpuFused {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  static void run(const StepCall& call) {
+    if (call.size() == 0) return;
+    const StepArgs args = make_step_args(call);
+    dispatch_step(call, [&](auto t, auto a) {
+      run_cpu_fused<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+    });
+  }
+};
+
+struct EmulatedCuda {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  static void run(const StepCall& call) {
+    if (call.size() == 0) return;
+    const StepArgs args = make_step_args(call);
+    dispatch_step(call, [&](auto t, auto a) {
+      run_emulated_cuda<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+    });
+  }
+};
+
+void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_blocks) {
+  TORCH_CHECK(chunk_size >= 0 && chunk_size % 8 == 0,
+              "pnm_kernels: chunk_size must be a non-negative multiple of 8, got ", chunk_size);
+  LaunchLimits& limits = launch_limits();
+  limits.chunk_size = chunk_size > 0 ? chunk_size : kDefaultChunkSize;
+  limits.max_tensors = static_cast<int>(max_tensors);
+  limits.max_blocks = static_cast<int>(max_blocks);
+}
+
+}  // namespace
+}  // namespace pnm
+
+// Mutation annotations tell torch.compile/functionalization what each op writes.
+#define PNM_STEP_SCHEMA(name)                                                                 \
+  name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] pos_momentums, "                   \
+       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, *, float lr, float beta1, "           \
+       "float beta0, float weight_decay, bool decoupled, bool maximize, "                     \
+       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+#define ADAPNM_STEP_SCHEMA(name)                                                              \
+  name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
+       "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
+       "Tensor(f!)[] steps, *, float lr, float beta1, float beta2, float beta0, float eps, "  \
+       "float weight_decay, bool amsgrad, bool decoupled, bool maximize, "                    \
+       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+
+TORCH_LIBRARY(pnm_kernels, m) {
+  m.def(PNM_STEP_SCHEMA("pnm_step_"));
+  m.def(ADAPNM_STEP_SCHEMA("adapnm_step_"));
+  // The CUDA kernels' code, executed on CPU tensors (CI has no GPU).
+  m.def(PNM_STEP_SCHEMA("emulated_cuda_pnm_step_"));
+  m.def(ADAPNM_STEP_SCHEMA("emulated_cuda_adapnm_step_"));
+  m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks) -> ()",
+        &pnm::set_launch_limits);
+}
+
+TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
+  m.impl("pnm_step_", &pnm::pnm_step_op<pnm::CpuFused>);
+  m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::CpuFused>);
+  m.impl("emulated_cuda_pnm_step_", &pnm::pnm_step_op<pnm::EmulatedCuda>);
+  m.impl("emulated_cuda_adapnm_step_", &pnm::adapnm_step_op<pnm::EmulatedCuda>);
+}
+
+// Importing pnm_kernels._C runs the registrations above.
+extern "C" PyObject* PyInit__C(void) {
+  static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
+  return PyModule_Create(&module_def);
+}

@@ -1,0 +1,114 @@
+// Host-side view of one op call, shared by the CPU, emulated-CUDA and CUDA implementations:
+// the argument checks (done once, before anything is written) and the dtype/mode dispatch.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Half.h>
+
+#include <optional>
+#include <vector>
+
+#include "multi_tensor_apply.h"
+
+namespace pnm {
+
+struct StepCall {
+  // Lists in the table order of multi_tensor_apply.h; num_lists of them are used.
+  std::vector<at::Tensor> lists[6];
+  int num_lists = 0;
+  std::vector<at::Tensor> steps;
+  Hyper hyper{};
+  double lr = 0.0;
+  std::optional<at::Tensor> lr_tensor, grad_scale, found_inf;
+  bool adaptive = false, decoupled = true, amsgrad = false;
+
+  int64_t size() const { return static_cast<int64_t>(lists[0].size()); }
+};
+
+// Builds and validates a call; throws (c10::Error) naming the argument and tensor index.
+StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
+                       at::TensorList neg_momentums, at::TensorList steps, double lr,
+                       double beta1, double beta0, double weight_decay, bool decoupled,
+                       bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf, c10::DeviceType device_type);
+
+StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
+                          at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                          double beta1, double beta2, double beta0, double eps,
+                          double weight_decay, bool amsgrad, bool decoupled, bool maximize,
+                          const std::optional<at::Tensor>& lr_tensor,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf,
+                          c10::DeviceType device_type);
+
+// Kernel scalars. Device-resident scalars become pointers; an lr tensor on the CPU is read here.
+StepArgs make_step_args(const StepCall& call);
+
+// Raw pointers in the layout plan_launches() takes.
+struct GatheredPointers {
+  std::vector<void*> ptrs;  // tensor-major, num_lists per tensor
+  std::vector<float*> steps;
+  std::vector<int64_t> numels;
+};
+GatheredPointers gather_pointers(const StepCall& call);
+
+template <class T>
+struct Tag {
+  using type = T;
+};
+
+// Calls f(Tag<scalar_t>{}, Tag<Algo>{}) with the compile-time types the call needs.
+template <class F>
+void dispatch_step(const StepCall& call, F&& f) {
+  auto by_mode = [&](auto dtype_tag) {
+    if (!call.adaptive) {
+      if (call.decoupled) f(dtype_tag, Tag<PnmAlgo<true>>{});
+      else f(dtype_tag, Tag<PnmAlgo<false>>{});
+    } else if (call.amsgrad) {
+      if (call.decoupled) f(dtype_tag, Tag<AdaPnmAlgo<true, true>>{});
+      else f(dtype_tag, Tag<AdaPnmAlgo<false, true>>{});
+    } else {
+      if (call.decoupled) f(dtype_tag, Tag<AdaPnmAlgo<true, false>>{});
+      else f(dtype_tag, Tag<AdaPnmAlgo<false, false>>{});
+    }
+  };
+  switch (call.lists[0][0].scalar_type()) {
+    case at::kFloat: by_mode(Tag<float>{}); break;
+    case at::kHalf: by_mode(Tag<c10::Half>{}); break;
+    case at::kBFloat16: by_mode(Tag<c10::BFloat16>{}); break;
+    default: TORCH_CHECK(false, "pnm_kernels: unsupported dtype ", call.lists[0][0].scalar_type());
+  }
+}
+
+// The op entry points, one per schema; Impl supplies kDevice and run(const StepCall&).
+template <class Impl>
+void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
+                 at::TensorList neg_momentums, at::TensorList steps, double lr, double beta1,
+                 double beta0, double weight_decay, bool decoupled, bool maximize,
+                 const std::optional<at::Tensor>& lr_tensor,
+                 const std::optional<at::Tensor>& grad_scale,
+                 const std::optional<at::Tensor>& found_inf) {
+  Impl::run(make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
+                          weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
+                          Impl::kDevice));
+}
+
+template <class Impl>
+void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                    at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
+                    at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                    double beta1, double beta2, double beta0, double eps, double weight_decay,
+                    bool amsgrad, bool decoupled, bool maximize,
+                    const std::optional<at::Tensor>& lr_tensor,
+                    const std::optional<at::Tensor>& grad_scale,
+                    const std::optional<at::Tensor>& found_inf) {
+  Impl::run(make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs,
+                             max_exp_avg_sqs, steps, lr, beta1, beta2, beta0, eps, weight_decay,
+                             amsgrad, decoupled, maximize, lr_tensor, grad_scale, found_inf,
+                             Impl::kDevice));
+}
+
+}  // namespace pnm

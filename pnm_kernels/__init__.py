@@ -1,0 +1,24 @@
+"""Fused CUDA, Triton and CPU kernels for the Positive-Negative Momentum optimizers
+(PNM and AdaPNM, Xie et al., ICML 2021)."""
+from . import _ops  # noqa: F401  (loads the compiled extension when it is built)
+from .optimizers import BACKENDS, PNM, AdaPNM
+
+__all__ = ["PNM", "AdaPNM", "BACKENDS", "available_backends"]
+__version__ = "0.1.0"
+
+
+def available_backends(device="cpu", dtype=None):
+    """The backends that can run tensors of ``dtype`` (default float32) on ``device``."""
+    import torch
+
+    from ._backends import resolve_backend
+
+    device, dtype = torch.device(device), dtype or torch.float32
+    found = []
+    for name in BACKENDS[1:]:
+        try:
+            resolve_backend(name, device, dtype)
+            found.append(name)
+        except (RuntimeError, ValueError):
+            pass
+    return found

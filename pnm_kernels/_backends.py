@@ -1,0 +1,187 @@
+"""The step implementations behind ``backend=``, each taking one batch of same-device,
+same-dtype tensors. Buffers are in kernel table order: PNM (pos_momentum, neg_momentum);
+AdaPNM (exp_avg, neg_exp_avg, exp_avg_sq[, max_exp_avg_sq])."""
+import math
+import os
+from dataclasses import dataclass, field
+from typing import Optional
+
+import torch
+
+from . import reference
+from ._ops import extension_error
+
+EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
+PNM_BUFFERS = ("pos_momentum", "neg_momentum")
+ADAPNM_BUFFERS = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+
+
+@dataclass
+class Batch:
+    params: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)  # one list per buffer name
+    steps: list = field(default_factory=list)
+
+
+def _skip_step(found_inf: Optional[torch.Tensor]) -> bool:
+    # Host read: the reference and foreach backends are not capturable anyway.
+    return found_inf is not None and bool(found_inf.item())
+
+
+def run_reference(adaptive, batch, hp, grad_scale, found_inf):
+    if _skip_step(found_inf):
+        return
+    lr = float(hp["lr"])
+    names = ADAPNM_BUFFERS if adaptive else PNM_BUFFERS
+    for i, (param, grad) in enumerate(zip(batch.params, batch.grads)):
+        state = {name: buffers[i] for name, buffers in zip(names, batch.buffers)}
+        state["step"] = batch.steps[i]
+        common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"],
+                      weight_decay=hp["weight_decay"], decoupled=hp["decoupled"],
+                      maximize=hp["maximize"], grad_scale=grad_scale)
+        if adaptive:
+            reference.adapnm_step(param, grad, state, beta2=hp["beta2"], eps=hp["eps"],
+                                  amsgrad=hp["amsgrad"], **common)
+        else:
+            reference.pnm_step(param, grad, state, **common)
+
+
+def run_foreach(adaptive, batch, hp, grad_scale, found_inf):
+    """torch._foreach_* ops over the batch; parity and bias corrections are read on the host."""
+    if _skip_step(found_inf):
+        return
+    lr, beta1, beta0, wd = float(hp["lr"]), hp["beta1"], hp["beta0"], hp["weight_decay"]
+    params = batch.params
+    torch._foreach_add_(batch.steps, 1.0)
+    steps = [int(s) for s in torch.stack(batch.steps).tolist()]
+    grads = batch.grads
+    if grad_scale is not None:
+        grads = torch._foreach_div(grads, grad_scale)
+    if hp["maximize"]:
+        grads = torch._foreach_neg(grads)
+    if hp["decoupled"]:
+        torch._foreach_mul_(params, 1 - lr * wd)
+    else:
+        grads = torch._foreach_add(grads, params, alpha=wd)
+    pos, neg = batch.buffers[0], batch.buffers[1]
+    m = [pos[i] if t % 2 == 1 else neg[i] for i, t in enumerate(steps)]
+    m_other = [neg[i] if t % 2 == 1 else pos[i] for i, t in enumerate(steps)]
+    torch._foreach_mul_(m, beta1**2)
+    torch._foreach_add_(m, grads, alpha=1 - beta1**2)
+    pn_momentum = torch._foreach_mul(m, 1 + beta0)
+    torch._foreach_add_(pn_momentum, m_other, alpha=-beta0)
+    torch._foreach_mul_(pn_momentum, 1 / reference.noise_norm(beta0))
+    if not adaptive:
+        torch._foreach_add_(params, pn_momentum, alpha=-lr)
+        return
+    beta2 = hp["beta2"]
+    exp_avg_sq = batch.buffers[2]
+    torch._foreach_mul_(exp_avg_sq, beta2)
+    torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=1 - beta2)
+    second_moment = exp_avg_sq
+    if hp["amsgrad"]:
+        torch._foreach_maximum_(batch.buffers[3], exp_avg_sq)
+        second_moment = batch.buffers[3]
+    denom = torch._foreach_sqrt(second_moment)
+    torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
+    torch._foreach_add_(denom, hp["eps"])
+    torch._foreach_addcdiv_(params, pn_momentum, denom, [-lr / (1 - beta1**t) for t in steps])
+
+
+def split_lr(lr, device):
+    """(float lr, lr tensor or None) as the kernels take them: a tensor lr stays a tensor,
+    on the params' device or on the CPU (read there without a device synchronisation)."""
+    if not isinstance(lr, torch.Tensor):
+        return float(lr), None
+    if lr.device != device and lr.device.type != "cpu":
+        lr = lr.to(device)
+    return 0.0, lr.to(torch.float32)
+
+
+def run_fused(adaptive, batch, hp, grad_scale, found_inf):
+    device = batch.params[0].device
+    emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
+    lr, lr_tensor = split_lr(hp["lr"], device)
+    ops = torch.ops.pnm_kernels
+    common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"], weight_decay=hp["weight_decay"],
+                  decoupled=hp["decoupled"], maximize=hp["maximize"], lr_tensor=lr_tensor,
+                  grad_scale=grad_scale, found_inf=found_inf)
+    if adaptive:
+        op = ops.emulated_cuda_adapnm_step_ if emulate else ops.adapnm_step_
+        max_exp_avg_sq = batch.buffers[3] if hp["amsgrad"] else []
+        op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.buffers[2],
+           max_exp_avg_sq, batch.steps, beta2=hp["beta2"], eps=hp["eps"],
+           amsgrad=hp["amsgrad"], **common)
+    else:
+        op = ops.emulated_cuda_pnm_step_ if emulate else ops.pnm_step_
+        op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.steps, **common)
+
+
+def run_triton(adaptive, batch, hp, grad_scale, found_inf):
+    from . import triton_kernels
+
+    triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)
+
+
+RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fused,
+           "triton": run_triton}
+# Backends whose kernels need every tensor dense and laid out like its parameter.
+FLAT_BACKENDS = ("fused", "triton")
+
+
+def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    error = extension_error()
+    if error is not None:
+        return f"the compiled extension pnm_kernels._C could not be loaded ({error})"
+    if dtype not in KERNEL_DTYPES:
+        return f"the fused kernels take float32, float16 and bfloat16, not {dtype}"
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if torch._C._dispatch_has_kernel_for_dispatch_key("pnm_kernels::pnm_step_", "CUDA"):
+            return None
+        return ("pnm_kernels._C was built without CUDA kernels (no nvcc at build time, or "
+                "PNM_KERNELS_NO_CUDA=1); rebuild it where nvcc is available")
+    return f"there are no fused kernels for {device.type} tensors"
+
+
+def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    if dtype not in KERNEL_DTYPES:
+        return f"the Triton kernels take float32, float16 and bfloat16, not {dtype}"
+    try:
+        import triton  # noqa: F401
+    except ImportError as e:
+        return f"triton is not installed ({e})"
+    if device.type == "cuda":
+        return None
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") == "1":
+        return None
+    return (f"Triton kernels run on CUDA tensors (or on CPU tensors under TRITON_INTERPRET=1), "
+            f"not on {device.type} tensors")
+
+
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that runs a batch: the one asked for, or for "auto" the fastest available.
+    Raises RuntimeError/ValueError saying why a requested backend cannot run."""
+    if requested in ("reference", "foreach"):
+        if dtype not in REFERENCE_DTYPES:
+            raise ValueError(f"unsupported parameter dtype {dtype}")
+        return requested
+    if requested == "fused":
+        reason = fused_unavailable_reason(device, dtype)
+    elif requested == "triton":
+        reason = triton_unavailable_reason(device, dtype)
+    else:  # auto
+        if fused_unavailable_reason(device, dtype) is None:
+            return "fused"
+        if device.type == "cuda" and triton_unavailable_reason(device, dtype) is None:
+            return "triton"
+        return resolve_backend("foreach", device, dtype)
+    if reason is not None:
+        raise RuntimeError(f"backend={requested!r} is unavailable for {dtype} tensors on "
+                           f"{device}: {reason}")
+    return requested

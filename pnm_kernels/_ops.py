@@ -1,0 +1,34 @@
+"""Loads the compiled extension and gives its ops fake (meta) implementations, so they trace
+under torch.compile and pass torch.library.opcheck. The ops mutate their inputs in place and
+return nothing, so the fakes only have to accept the arguments."""
+from typing import Optional
+
+import torch
+
+_EXTENSION_ERROR: Optional[str] = None
+try:
+    from . import _C  # noqa: F401  (importing registers the ops)
+except ImportError as e:  # a Triton-only or pure-Python install is legitimate
+    _EXTENSION_ERROR = str(e)
+
+
+def extension_error() -> Optional[str]:
+    """None when pnm_kernels._C is loaded, else why it is not."""
+    return _EXTENSION_ERROR
+
+
+def _fake_step(*args, **kwargs) -> None:
+    return None
+
+
+if _EXTENSION_ERROR is None:
+    for _name in ("pnm_step_", "adapnm_step_", "emulated_cuda_pnm_step_",
+                  "emulated_cuda_adapnm_step_"):
+        torch.library.register_fake(f"pnm_kernels::{_name}")(_fake_step)
+
+
+def set_launch_limits(chunk_size: int = 0, max_tensors: int = 0, max_blocks: int = 0) -> None:
+    """Test hook for the CUDA launch planner (and its CPU emulation): smaller chunks and
+    launch tables make chunk and launch boundaries reachable with small tensors. Zeros
+    restore the defaults."""
+    torch.ops.pnm_kernels._set_launch_limits(chunk_size, max_tensors, max_blocks)

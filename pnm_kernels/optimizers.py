@@ -1,0 +1,270 @@
+"""PNM and AdaPNM as torch.optim.Optimizer subclasses: validate, group tensors by device and
+dtype, and hand each batch to a backend (see _backends.py)."""
+import math
+import numbers
+
+import torch
+from torch.optim import Optimizer
+
+from . import _backends
+from ._backends import ADAPNM_BUFFERS, PNM_BUFFERS, Batch
+
+BACKENDS = ("auto", "fused", "triton", "foreach", "reference")
+
+
+def _is_real_number(x) -> bool:
+    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+
+
+def _check_real(where, name, value, *, low, high=math.inf, high_open=False):
+    if not _is_real_number(value) or not math.isfinite(value):
+        raise ValueError(f"{where}: invalid {name} {value!r}; need a finite real number")
+    if value < low or value > high or (high_open and value == high):
+        upper = f"< {high}" if high_open else ("" if high == math.inf else f"<= {high}")
+        raise ValueError(f"{where}: invalid {name} {value!r}; need {low} <= {name} {upper}".rstrip())
+
+
+def _validate_group(group: dict, adaptive: bool, where: str) -> None:
+    """Checks every hyper-parameter of a group (DESIGN.md §1 "Valid hyper-parameters")."""
+    lr = group["lr"]
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
+                             f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
+        if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
+            _check_real(where, "lr", float(lr), low=0.0)
+    else:
+        _check_real(where, "lr", lr, low=0.0)
+    betas = group["betas"]
+    names = ("beta1", "beta2", "beta0") if adaptive else ("beta1", "beta0")
+    if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
+        raise ValueError(f"{where}: betas must be a tuple ({', '.join(names)}), got {betas!r}")
+    for i, (name, value) in enumerate(zip(names, betas)):
+        label = f"{name} (betas[{i}])"
+        if name == "beta0":
+            _check_real(where, label, value, low=-math.inf)
+        else:
+            _check_real(where, label, value, low=0.0, high=1.0, high_open=True)
+    _check_real(where, "weight_decay", group["weight_decay"], low=0.0)
+    flags = ("decoupled", "maximize") + (("amsgrad",) if adaptive else ())
+    if adaptive:
+        _check_real(where, "eps", group["eps"], low=0.0)
+    for flag in flags:
+        if not isinstance(group[flag], bool):
+            raise ValueError(f"{where}: {flag} must be a bool, got {group[flag]!r}")
+    if group["backend"] not in BACKENDS:
+        raise ValueError(f"{where}: backend must be one of {BACKENDS}, got {group['backend']!r}")
+
+
+def _describe(param, gi, pi) -> str:
+    return (f"param_groups[{gi}]['params'][{pi}] (shape {tuple(param.shape)}, {param.dtype}, "
+            f"{param.device})")
+
+
+def _check_param(param, gi, pi) -> None:
+    grad = param.grad
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise RuntimeError(f"{_describe(param, gi, pi)} has a sparse gradient; PNM and AdaPNM "
+                           "do not support sparse gradients")
+    if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+        raise RuntimeError(f"{_describe(param, gi, pi)} has a gradient of shape "
+                           f"{tuple(grad.shape)}, {grad.dtype}, {grad.device}, which does not "
+                           "match the parameter")
+    if param.is_sparse or param.layout != torch.strided:
+        raise RuntimeError(f"{_describe(param, gi, pi)} is sparse; not supported")
+
+
+def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if not a.is_non_overlapping_and_dense():
+        return False
+    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def _normalise_loaded_state(optimizer) -> None:
+    """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
+    another device becomes a float32 tensor on its parameter's device."""
+    for group in optimizer.param_groups:
+        for p in group["params"]:
+            state = optimizer.state.get(p)
+            if state and "step" in state:
+                step = state["step"]
+                if not torch.is_tensor(step) or step.device != p.device or step.dtype != torch.float32:
+                    state["step"] = torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
+
+
+class _PositiveNegativeMomentum(Optimizer):
+    _adaptive = False
+    _buffer_names = PNM_BUFFERS
+
+    def __init__(self, params, defaults):
+        where = "defaults"
+        _validate_group(dict(defaults, params=[]), self._adaptive, where)
+        super().__init__(params, defaults)
+        # GradScaler then hands over grad_scale/found_inf instead of unscaling on the host.
+        self._step_supports_amp_scaling = True
+        self.register_load_state_dict_post_hook(_normalise_loaded_state)
+
+    def add_param_group(self, param_group: dict) -> None:
+        merged = {**self.defaults, **param_group}
+        _validate_group(merged, self._adaptive, f"param_groups[{len(self.param_groups)}]")
+        super().add_param_group(param_group)
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        for group in self.param_groups:  # groups saved before a key existed get its default
+            for key, value in self.defaults.items():
+                group.setdefault(key, value)
+
+    def _hyper(self, group) -> dict:
+        betas = group["betas"]
+        hp = dict(lr=group["lr"], beta1=betas[0], beta0=betas[-1],
+                  weight_decay=group["weight_decay"], decoupled=group["decoupled"],
+                  maximize=group["maximize"])
+        if self._adaptive:
+            hp.update(beta2=betas[1], eps=group["eps"], amsgrad=group["amsgrad"])
+        return hp
+
+    def _buffers_needed(self, group):
+        if self._adaptive and not group["amsgrad"]:
+            return self._buffer_names[:3]
+        return self._buffer_names
+
+    def _plan(self):
+        """Checks everything and decides the backend of every batch, touching nothing."""
+        plan = []
+        for gi, group in enumerate(self.param_groups):
+            _validate_group(group, self._adaptive, f"param_groups[{gi}]")
+            batches = {}
+            for pi, p in enumerate(group["params"]):
+                if p.grad is None:
+                    continue
+                _check_param(p, gi, pi)
+                key = (p.device, p.dtype)
+                if key not in batches:
+                    real = p.real.dtype if p.is_complex() else p.dtype
+                    try:
+                        backend = _backends.resolve_backend(group["backend"], p.device, real)
+                    except (RuntimeError, ValueError) as e:
+                        raise type(e)(f"{_describe(p, gi, pi)}: {e}") from None
+                    batches[key] = (backend, [])
+                batches[key][1].append(p)
+            for backend, params in batches.values():
+                plan.append((group, backend, params))
+        return plan
+
+    def _batch(self, group, backend, params):
+        """Creates missing state, then the kernel-ready tensor lists. Returns the batch and
+        the (param, dense copy) pairs to write back after the step."""
+        names = self._buffers_needed(group)
+        flat = backend in _backends.FLAT_BACKENDS
+        batch = Batch(buffers=[[] for _ in names])
+        writebacks = []
+        for p in params:
+            state = self.state[p]
+            if "step" not in state:
+                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            elif not torch.is_tensor(state["step"]):
+                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32,
+                                             device=p.device)
+            for name in names:
+                if name not in state:  # e.g. amsgrad switched on mid-run
+                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            param, grad = p, p.grad
+            bufs = [state[name] for name in names]
+            if p.is_complex():
+                param, grad = torch.view_as_real(param), torch.view_as_real(grad)
+                bufs = [torch.view_as_real(b) for b in bufs]
+            if flat and not (param.is_contiguous() and grad.is_contiguous()
+                             and bufs[0].is_contiguous()):
+                # The kernels walk raw memory: every tensor needs the buffers' dense layout.
+                if not _same_dense_layout(param, bufs[0]):
+                    dense = torch.empty_like(bufs[0]).copy_(param)
+                    writebacks.append((param, dense))
+                    param = dense
+                if not _same_dense_layout(grad, bufs[0]):
+                    grad = torch.empty_like(bufs[0]).copy_(grad)
+            batch.params.append(param)
+            batch.grads.append(grad)
+            for lst, b in zip(batch.buffers, bufs):
+                lst.append(b)
+            batch.steps.append(state["step"])
+        return batch, writebacks
+
+    @torch.no_grad()
+    def step(self, closure=None):
+        """Performs one optimization step. ``closure`` re-evaluates the model and returns the
+        loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        plan = self._plan()  # raises before any parameter or state is touched
+        grad_scale = getattr(self, "grad_scale", None)
+        found_inf = getattr(self, "found_inf", None)
+        per_device = {}
+        for group, backend, params in plan:
+            batch, writebacks = self._batch(group, backend, params)
+            device = batch.params[0].device
+            if device not in per_device:
+                per_device[device] = tuple(
+                    None if t is None else t.to(device, non_blocking=True)
+                    for t in (grad_scale, found_inf))
+            _backends.RUNNERS[backend](self._adaptive, batch, self._hyper(group),
+                                       *per_device[device])
+            for param, dense in writebacks:
+                param.copy_(dense)
+        return loss
+
+
+class PNM(_PositiveNegativeMomentum):
+    r"""Positive-Negative Momentum (Xie et al., ICML 2021, Algorithm 2).
+
+    Two momentum buffers, fed by alternate steps' gradients; the step goes along
+    ``(1+b0)*m_now - b0*m_other``, divided by ``sqrt((1+b0)^2 + b0^2)``.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (float or 0-dim tensor).
+        betas: ``(beta1, beta0)``: momentum coefficient and positive-negative coefficient.
+            ``beta0 = -beta1/(1+beta1)`` is ordinary EMA momentum up to the normalisation.
+        weight_decay: weight-decay coefficient.
+        decoupled: decoupled (AdamW-style) weight decay; False applies L2 to the gradient.
+        maximize: maximize the objective instead of minimizing it.
+        backend: "auto", "fused", "triton", "foreach" or "reference".
+    """
+
+    _adaptive = False
+    _buffer_names = PNM_BUFFERS
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 1.0), weight_decay=0.0, decoupled=True,
+                 maximize=False, backend="auto"):
+        defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, decoupled=decoupled,
+                        maximize=maximize, backend=backend)
+        super().__init__(params, defaults)
+
+
+class AdaPNM(_PositiveNegativeMomentum):
+    r"""Adaptive Positive-Negative Momentum (Xie et al., ICML 2021, Algorithm 3), with AMSGrad
+    by default.
+
+    Args:
+        params: parameters or param groups.
+        lr: learning rate (float or 0-dim tensor).
+        betas: ``(beta1, beta2, beta0)``. ``beta0 = -beta1/(1+beta1)`` with ``amsgrad=False``
+            is Adam, up to the noise normalisation.
+        eps: added to the denominator after bias correction.
+        weight_decay: weight-decay coefficient.
+        amsgrad: keep the running maximum of the second moment.
+        decoupled: decoupled (AdamW-style) weight decay; False applies L2 to the gradient.
+        maximize: maximize the objective instead of minimizing it.
+        backend: "auto", "fused", "triton", "foreach" or "reference".
+    """
+
+    _adaptive = True
+    _buffer_names = ADAPNM_BUFFERS
+
+    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 1.0), eps=1e-8, weight_decay=0.0,
+                 amsgrad=True, decoupled=True, maximize=False, backend="auto"):
+        defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
+                        decoupled=decoupled, maximize=maximize, backend=backend)
+        super().__init__(params, defaults)

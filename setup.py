@@ -1,0 +1,56 @@
+"""Builds pnm_kernels._C: fused CPU kernels (g++) and CUDA kernels (nvcc).
+
+Environment:
+  PNM_KERNELS_NO_CUDA=1   build without the CUDA sources (no nvcc needed)
+  TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0+PTX")
+  MAX_JOBS                parallel compile jobs (default: 2)
+Install with `pip install --no-build-isolation .` so the build uses the installed torch.
+"""
+import os
+import shutil
+
+from setuptools import find_packages, setup
+
+# torch derives CUDA_HOME from the nvcc on PATH; where that is a wrapper outside the toolkit
+# (as /usr/local/bin/nvcc is on our machines) the toolkit's libraries would not be found.
+if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/bin/nvcc"):
+    os.environ["CUDA_HOME"] = "/usr/local/cuda"
+
+from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
+
+os.environ.setdefault("MAX_JOBS", "2")
+os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
+
+with_cuda = os.environ.get("PNM_KERNELS_NO_CUDA", "0") != "1" and (
+    shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
+)
+
+cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
+sources = ["csrc/pnm_ops.cpp"]
+if with_cuda:
+    sources.append("csrc/pnm_cuda.cu")
+    extension = CUDAExtension(
+        "pnm_kernels._C",
+        sources,
+        extra_compile_args={
+            "cxx": cxx_flags,
+            # Kernel arguments above 4 KiB (our launch tables) need CUDA >= 12.1.
+            "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
+        },
+        extra_link_args=["-fopenmp"],
+    )
+else:
+    extension = CppExtension(
+        "pnm_kernels._C", sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"]
+    )
+
+setup(
+    name="pnm_kernels",
+    version="0.1.0",
+    description="Fused CUDA/Triton/CPU kernels for the Positive-Negative Momentum optimizers",
+    packages=find_packages(include=["pnm_kernels", "pnm_kernels.*"]),
+    ext_modules=[extension],
+    cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
+    python_requires=">=3.10",
+    install_requires=["torch>=2.4"],
+)
