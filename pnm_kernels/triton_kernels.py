@@ -1,0 +1,224 @@
+"""Triton kernels for PNM and AdaPNM: a whole step over many tensors in one launch.
+
+Device tables hold every tensor's data pointer (read back with ``tl.pointer_type``), its
+numel and its step counter's address; a chunk map sends each program to one chunk of one
+tensor. The tables are cached under the tensors' addresses and sizes, so a training loop whose
+tensors stay put (static gradients, as under CUDA graphs) uploads nothing after its first step.
+Hyper-parameters are runtime arguments: a new lr never recompiles. Parity and bias corrections
+come from each tensor's own step counter, read in the kernel, so nothing synchronises with
+the host. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how CI tests
+them).
+"""
+import math
+import os
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+import triton
+import triton.language as tl
+
+from .reference import noise_norm
+
+
+@triton.jit
+def _store(ptr, x, mask, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
+    if INTERPRETED and DTYPE == tl.bfloat16:
+        # The interpreter (triton 3.8) truncates fp32 -> bf16; GPUs round to nearest even.
+        bits = x.to(tl.uint32, bitcast=True)
+        bits = bits + 0x7FFF + ((bits >> 16) & 1)
+        tl.store(ptr, (bits >> 16).to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=mask)
+    else:
+        tl.store(ptr, x.to(DTYPE), mask=mask)
+
+
+@triton.jit
+def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_tensors,
+                 lr, lr_ptr, grad_scale_ptr, found_inf_ptr,
+                 b1_sq, one_minus_b1_sq, b2, one_minus_b2, log_b1, log_b2,
+                 pos_coef, neg_coef, inv_noise_norm, eps, weight_decay, grad_sign,
+                 DTYPE: tl.constexpr, ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr,
+                 DECOUPLED: tl.constexpr, HAS_LR_TENSOR: tl.constexpr,
+                 HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
+                 BLOCK: tl.constexpr, ITERS: tl.constexpr, INTERPRETED: tl.constexpr):
+    pid = tl.program_id(0)
+    t = tl.load(chunk_tensor + pid)
+    start = tl.load(chunk_start + pid)
+    numel = tl.load(numels + t)
+    # Counters are incremented by a second launch, after this one read them: this is step+1.
+    step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))) + 1.0
+    odd = (step.to(tl.int64) % 2) == 1
+    if HAS_LR_TENSOR:
+        lr = tl.load(lr_ptr)
+    grad_factor = grad_sign
+    if HAS_GRAD_SCALE:
+        grad_factor = grad_sign / tl.load(grad_scale_ptr)
+    keep = numel > 0
+    if HAS_FOUND_INF:
+        keep = tl.load(found_inf_ptr) == 0.0
+
+    pos = tl.load(ptr_table + 2 * n_tensors + t)
+    neg = tl.load(ptr_table + 3 * n_tensors + t)
+    p_ptr = tl.load(ptr_table + t).to(tl.pointer_type(DTYPE))
+    g_ptr = tl.load(ptr_table + n_tensors + t).to(tl.pointer_type(DTYPE))
+    m_ptr = tl.where(odd, pos, neg).to(tl.pointer_type(DTYPE))
+    m_other_ptr = tl.where(odd, neg, pos).to(tl.pointer_type(DTYPE))
+    if ADAPTIVE:
+        v_ptr = tl.load(ptr_table + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
+        # Bias corrections in float64: 1 - b2^t loses digits in float32 when b2 is near 1.
+        step64 = step.to(tl.float64)
+        bc1 = 1.0 - tl.exp(step64 * log_b1.to(tl.float64))
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp(step64 * log_b2.to(tl.float64))).to(tl.float32)
+        neg_step_size = (-lr.to(tl.float64) / bc1).to(tl.float32)
+        if AMSGRAD:
+            v_max_ptr = tl.load(ptr_table + 5 * n_tensors + t).to(tl.pointer_type(DTYPE))
+    else:
+        neg_step_size = -lr
+    decay = 1.0 - lr * weight_decay
+
+    for i in tl.static_range(ITERS):
+        offs = start + i * BLOCK + tl.arange(0, BLOCK)
+        mask = (offs < numel) & keep
+        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
+        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+        m_other = tl.load(m_other_ptr + offs, mask=mask).to(tl.float32)
+        if DECOUPLED:
+            p = p * decay
+        else:
+            g = g + weight_decay * p
+        m = b1_sq * m + one_minus_b1_sq * g
+        pn_momentum = (pos_coef * m + neg_coef * m_other) * inv_noise_norm
+        if ADAPTIVE:
+            v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+            v = b2 * v + one_minus_b2 * (g * g)
+            second_moment = v
+            if AMSGRAD:
+                v_max = tl.load(v_max_ptr + offs, mask=mask).to(tl.float32)
+                v_max = tl.where((v_max != v_max) | (v_max > v), v_max, v)  # NaN-propagating
+                _store(v_max_ptr + offs, v_max, mask, DTYPE, INTERPRETED)
+                second_moment = v_max
+            _store(v_ptr + offs, v, mask, DTYPE, INTERPRETED)
+            denom = tl.sqrt(second_moment) / bc2_sqrt + eps
+            p = p + neg_step_size * (pn_momentum / denom)
+        else:
+            p = p + neg_step_size * pn_momentum
+        _store(m_ptr + offs, m, mask, DTYPE, INTERPRETED)
+        _store(p_ptr + offs, p, mask, DTYPE, INTERPRETED)
+
+
+@triton.jit
+def _increment_steps_kernel(step_table, n_tensors, found_inf_ptr,
+                            HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < n_tensors
+    if HAS_FOUND_INF:
+        mask = mask & (tl.load(found_inf_ptr) == 0.0)
+    addr = tl.load(step_table + offs, mask=mask, other=0).to(tl.pointer_type(tl.float32))
+    tl.store(addr, tl.load(addr, mask=mask) + 1.0, mask=mask)
+
+
+@dataclass(frozen=True)
+class LaunchConfig:
+    block: int       # elements per program per iteration
+    iters: int       # iterations per program: a chunk is block * iters elements
+    num_warps: int
+
+
+# Per GPU generation; the interpreter gets small chunks so tests cross chunk boundaries.
+_CONFIGS = {
+    "interpreter": LaunchConfig(block=64, iters=2, num_warps=4),
+    9: LaunchConfig(block=2048, iters=8, num_warps=8),   # Hopper
+    8: LaunchConfig(block=1024, iters=16, num_warps=4),  # Ampere / Ada
+}
+_DEFAULT_CONFIG = LaunchConfig(block=1024, iters=16, num_warps=4)
+_override = None
+
+
+def set_launch_config(config=None) -> None:
+    """Test/benchmark hook: use ``config`` (a LaunchConfig) for every launch; None resets."""
+    global _override
+    _override = config
+
+
+def launch_config(device: torch.device) -> LaunchConfig:
+    if _override is not None:
+        return _override
+    if device.type != "cuda":
+        return _CONFIGS["interpreter"]
+    return _CONFIGS.get(torch.cuda.get_device_capability(device)[0], _DEFAULT_CONFIG)
+
+
+_TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
+_TABLE_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
+_TABLE_CACHE_SIZE = 16
+
+
+def _tables(lists, steps, device, chunk):
+    """Device tables for these tensors, rebuilt only when an address or size changed."""
+    numels = [t.numel() for t in lists[0]]
+    ptrs = [t.data_ptr() for lst in lists for t in lst]
+    step_ptrs = [s.data_ptr() for s in steps]
+    key = (device, chunk, tuple(ptrs), tuple(step_ptrs), tuple(numels))
+    hit = _TABLE_CACHE.get(key)
+    if hit is not None:
+        _TABLE_CACHE.move_to_end(key)
+        return hit
+    chunk_tensor, chunk_start = [], []
+    for i, n in enumerate(numels):
+        for s in range(0, n, chunk):
+            chunk_tensor.append(i)
+            chunk_start.append(s)
+    as_device = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device)  # noqa: E731
+    tables = (as_device(ptrs, torch.int64), as_device(numels, torch.int64),
+              as_device(step_ptrs, torch.int64), as_device(chunk_tensor, torch.int32),
+              as_device(chunk_start, torch.int64), len(chunk_tensor))
+    _TABLE_CACHE[key] = tables
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return tables
+
+
+def step(adaptive, batch, hp, grad_scale, found_inf):
+    """One PNM/AdaPNM step over a batch of same-device, same-dtype dense tensors."""
+    params = batch.params
+    if not params:
+        return
+    device, dtype = params[0].device, params[0].dtype
+    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
+        raise RuntimeError("Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
+    amsgrad = adaptive and hp["amsgrad"]
+    lists = [params, batch.grads] + batch.buffers[: (4 if amsgrad else 3) if adaptive else 2]
+    config = launch_config(device)
+    chunk = config.block * config.iters
+    ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks = _tables(
+        lists, batch.steps, device, chunk)
+    n = len(params)
+
+    lr = hp["lr"]
+    lr_tensor = None
+    if isinstance(lr, torch.Tensor):
+        lr_tensor = lr.to(device=device, dtype=torch.float32)
+        lr = 0.0
+    beta1, beta0 = hp["beta1"], hp["beta0"]
+    beta2 = hp.get("beta2", 0.0)
+    log = lambda b: math.log(b) if b > 0 else -math.inf  # noqa: E731
+    dummy = step_table  # stands in for absent optional pointers (never read)
+    if n_chunks:
+        _step_kernel[(n_chunks,)](
+            ptr_table, numels, step_table, chunk_tensor, chunk_start, n,
+            float(lr), lr_tensor if lr_tensor is not None else dummy,
+            grad_scale if grad_scale is not None else dummy,
+            found_inf if found_inf is not None else dummy,
+            beta1**2, 1 - beta1**2, beta2, 1 - beta2, log(beta1), log(beta2),
+            1 + beta0, -beta0, 1 / noise_norm(beta0), hp.get("eps", 0.0), hp["weight_decay"],
+            -1.0 if hp["maximize"] else 1.0,
+            DTYPE=_TL_DTYPES[dtype], ADAPTIVE=adaptive, AMSGRAD=amsgrad,
+            DECOUPLED=hp["decoupled"], HAS_LR_TENSOR=lr_tensor is not None,
+            HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
+            BLOCK=config.block, ITERS=config.iters, INTERPRETED=device.type == "cpu",
+            num_warps=config.num_warps)
+    block = 256
+    _increment_steps_kernel[(triton.cdiv(n, block),)](
+        step_table, n, found_inf if found_inf is not None else dummy,
+        HAS_FOUND_INF=found_inf is not None, BLOCK=block)
