@@ -67,9 +67,9 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
         v_ptr = tl.load(ptr_table + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
         # Bias corrections in float64: 1 - b2^t loses digits in float32 when b2 is near 1.
         step64 = step.to(tl.float64)
-        bc1 = 1.0 - tl.exp(step64 * log_b1.to(tl.float64))
-        bc2_sqrt = tl.sqrt(1.0 - tl.exp(step64 * log_b2.to(tl.float64))).to(tl.float32)
-        neg_step_size = (-lr.to(tl.float64) / bc1).to(tl.float32)
+        bc1 = 1.0 - tl.exp(step64 * log_b1)
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp(step64 * log_b2)).to(tl.float32)
+        neg_step_size = (-lr / bc1).to(tl.float32)  # float64: bc1 is float64
         if AMSGRAD:
             v_max_ptr = tl.load(ptr_table + 5 * n_tensors + t).to(tl.pointer_type(DTYPE))
     else:

@@ -1,0 +1,109 @@
+"""Shared helpers. Without a GPU, Triton kernels run under the interpreter on CPU tensors;
+TRITON_INTERPRET must be set before triton.jit decorates them, so it is set here."""
+import os
+
+import pytest
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+
+from pnm_kernels import PNM, AdaPNM  # noqa: E402
+from pnm_kernels._ops import extension_error, set_launch_limits  # noqa: E402
+
+HAS_CUDA = torch.cuda.is_available()
+requires_cuda = pytest.mark.skipif(not HAS_CUDA, reason="needs a CUDA GPU")
+requires_extension = pytest.mark.skipif(extension_error() is not None,
+                                        reason="pnm_kernels._C is not built")
+try:
+    import triton  # noqa: F401
+
+    HAS_TRITON = True
+except ImportError:
+    HAS_TRITON = False
+
+DEVICE = "cuda" if HAS_CUDA else "cpu"
+
+# Every fast path, as (backend name, device, emulate CUDA on the CPU).
+# "emulated" is backend="fused" on CPU tensors with PNM_KERNELS_EMULATE_CUDA=1: the CUDA
+# kernels' own code, walked block by block and thread by thread on the host.
+FAST_PATHS = ["foreach", "fused", "emulated", "triton"] if not HAS_CUDA else [
+    "foreach", "fused", "triton"]
+
+
+@pytest.fixture
+def path(request, monkeypatch):
+    """Selects a fast path; returns the backend name to pass to the optimizer."""
+    name = request.param
+    if name in ("fused", "emulated") and extension_error() is not None:
+        pytest.skip("pnm_kernels._C is not built")
+    if name == "triton" and not HAS_TRITON:
+        pytest.skip("triton is not installed")
+    if name == "emulated":
+        monkeypatch.setenv("PNM_KERNELS_EMULATE_CUDA", "1")
+        return "fused"
+    monkeypatch.delenv("PNM_KERNELS_EMULATE_CUDA", raising=False)
+    return name
+
+
+@pytest.fixture
+def small_launches():
+    """Tiny CUDA launch tables, so small tensors cross chunk and launch boundaries."""
+    if extension_error() is None:
+        set_launch_limits(chunk_size=64, max_tensors=3, max_blocks=4)
+    yield
+    if extension_error() is None:
+        set_launch_limits()
+
+
+OPTIMIZERS = {"PNM": PNM, "AdaPNM": AdaPNM}
+
+
+def make_params(shapes, dtype=torch.float32, device=DEVICE, seed=0, misaligned=False):
+    """Leaf parameters with random values; misaligned ones start one element into a buffer."""
+    gen = torch.Generator().manual_seed(seed)
+    params = []
+    for shape in shapes:
+        value = torch.randn(shape, generator=gen).to(dtype)
+        if misaligned:
+            numel = value.numel()
+            storage = torch.zeros(numel + 1, dtype=dtype, device=device)
+            p = storage[1:].view(shape).copy_(value)
+        else:
+            p = value.to(device)
+        params.append(p.requires_grad_())
+    return params
+
+
+def clone_params(params):
+    return [p.detach().clone().requires_grad_() for p in params]
+
+
+def grads_for_step(params, step, seed=1, skip_every=0):
+    """Deterministic gradients; with skip_every, some parameters get none on some steps."""
+    gen = torch.Generator().manual_seed(seed * 100003 + step)
+    grads = []
+    for i, p in enumerate(params):
+        g = torch.randn(p.shape, generator=gen).to(p.dtype).to(p.device)
+        if p.is_complex():
+            g = torch.complex(g.real, torch.randn(p.shape, generator=gen).to(g.real.dtype).to(p.device))
+        skip = skip_every and (step + i) % skip_every == 0
+        grads.append(None if skip else g)
+    return grads
+
+
+def train(opt, params, steps, seed=1, skip_every=0, start=0):
+    for t in range(start, start + steps):
+        for p, g in zip(params, grads_for_step(params, t, seed, skip_every)):
+            p.grad = g
+        opt.step()
+
+
+def assert_states_close(opt_a, params_a, opt_b, params_b, **tol):
+    """Parameters and every state buffer (step included) agree."""
+    for i, (pa, pb) in enumerate(zip(params_a, params_b)):
+        torch.testing.assert_close(pa.detach(), pb.detach(), msg=lambda m: f"param {i}: {m}", **tol)
+        sa, sb = opt_a.state.get(pa, {}), opt_b.state.get(pb, {})
+        assert sa.keys() == sb.keys(), f"param {i}: state keys {sa.keys()} vs {sb.keys()}"
+        for key in sa:
+            torch.testing.assert_close(sa[key], sb[key], msg=lambda m: f"param {i} {key}: {m}", **tol)

@@ -1,0 +1,112 @@
+"""Every fast path computes what reference.py computes: parameters and every state buffer,
+over many odd and even steps, awkward sizes, both weight-decay modes, AMSGrad on and off,
+several b0, several param groups, and parameters that skip steps (DESIGN.md §4)."""
+import pytest
+import torch
+
+from conftest import (FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, make_params,
+                      train)
+
+B1 = 0.9
+B0_VALUES = [1.0, 0.0, -B1 / (1 + B1), 3.0]
+# numel 1, 3, 4, a 0-dim and an empty tensor, odd 2-D shapes, and sizes that are not
+# multiples of any vector width. The interpreter gets smaller ones to stay fast.
+SHAPES = {"large": [(1,), (3,), (4,), (), (0,), (7, 9), (4097,), (65537,), (33, 2, 5)],
+          "small": [(1,), (3,), (4,), (), (0,), (7, 9), (129,), (300,)]}
+STEPS = 50
+
+
+def shapes_for(backend, monkeypatch_env_triton=False):
+    return SHAPES["small"] if backend == "triton" else SHAPES["large"]
+
+
+def groups(params, b0, adaptive, **extra):
+    """Two groups with different hyper-parameters."""
+    betas0 = (B1, 0.999, b0) if adaptive else (B1, b0)
+    betas1 = (0.8, 0.99, b0) if adaptive else (0.8, b0)
+    return [dict(params=params[0::2], lr=1e-2, betas=betas0, weight_decay=0.1, **extra),
+            dict(params=params[1::2], lr=3e-3, betas=betas1, weight_decay=0.0, **extra)]
+
+
+CONFIGS = ([("PNM", dict(decoupled=d)) for d in (True, False)]
+           + [("AdaPNM", dict(decoupled=d, amsgrad=a)) for d in (True, False)
+              for a in (True, False)])
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("b0", B0_VALUES, ids=lambda b: f"b0={b:.3g}")
+@pytest.mark.parametrize("name,options", CONFIGS,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for n, o in CONFIGS])
+def test_matches_reference_over_many_steps(path, b0, name, options, small_launches):
+    opt_cls = OPTIMIZERS[name]
+    adaptive = name == "AdaPNM"
+    params = make_params(shapes_for(path))
+    ref_params = clone_params(params)
+    opt = opt_cls(groups(params, b0, adaptive, **options), backend=path)
+    ref = opt_cls(groups(ref_params, b0, adaptive, **options), backend="reference")
+    train(opt, params, STEPS, skip_every=5)
+    train(ref, ref_params, STEPS, skip_every=5)
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_maximize_and_misaligned_storage(path, name):
+    params = make_params(shapes_for(path), misaligned=True)
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.05, maximize=True, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, weight_decay=0.05, maximize=True,
+                           backend="reference")
+    train(opt, params, 12)
+    train(ref, ref_params, 12)
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_default_launch_limits(path, name):
+    """The production chunking (no test limits) on a tensor that spans several chunks."""
+    params = make_params([(70001,), (5,)] if path != "triton" else [(1000,), (5,)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    train(opt, params, 4)
+    train(ref, ref_params, 4)
+    assert_states_close(opt, params, ref, ref_params)
+
+
+# (dtype, absolute slack). The fused error against an fp64 reference may be at most twice
+# the error of the reference itself run in the same low precision, plus the slack.
+LOW_PRECISION = [(torch.float16, 1e-6), (torch.bfloat16, 1e-6)]
+
+
+@pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "foreach"], indirect=True)
+@pytest.mark.parametrize("dtype,slack", LOW_PRECISION, ids=str)
+@pytest.mark.parametrize("name,options", CONFIGS,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for n, o in CONFIGS])
+def test_low_precision_is_at_least_as_accurate_as_the_reference(path, dtype, slack, name,
+                                                                 options, small_launches):
+    opt_cls = OPTIMIZERS[name]
+    shapes = shapes_for(path)
+    exact = make_params(shapes, dtype=torch.float64)
+    fast = [p.detach().to(dtype).requires_grad_() for p in exact]
+    low_ref = clone_params(fast)
+    exact_ref = [p.detach().to(dtype).double().requires_grad_() for p in exact]  # same start
+    runs = [(fast, path), (low_ref, "reference"), (exact_ref, "reference")]
+    # eps = 1e-8 is 0 in float16, where the low-precision reference then divides 0 by 0:
+    # an eps the storage dtype can hold keeps the yardstick finite.
+    if name == "AdaPNM":
+        options = dict(options, eps=1e-3)
+    opts = []
+    for params, backend in runs:
+        opt = opt_cls(params, lr=1e-2, weight_decay=0.05, backend=backend, **options)
+        train(opt, params, 20)
+        opts.append(opt)
+    # Judged over the whole parameter set: one 0-dim tensor's error is a single sample.
+    flat = lambda ps: torch.cat([p.detach().double().flatten() for p in ps])  # noqa: E731
+    truth = flat(exact_ref)
+    err_fast = (flat(fast) - truth).abs().max()
+    err_ref = (flat(low_ref) - truth).abs().max()
+    assert err_fast <= 2 * err_ref + slack, (err_fast.item(), err_ref.item())
