@@ -74,8 +74,18 @@ def _check_param(param, gi, pi) -> None:
         raise RuntimeError(f"{_describe(param, gi, pi)} is sparse; not supported")
 
 
+def _is_dense(t: torch.Tensor) -> bool:
+    """Its elements fill one block of memory without gaps or overlap, in some dim order."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not a.is_non_overlapping_and_dense():
+    if not _is_dense(a):
         return False
     return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 

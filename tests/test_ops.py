@@ -1,0 +1,145 @@
+"""The compiled ops themselves: schemas and fake kernels (opcheck), argument checks in C++,
+and the CUDA launch planner, exercised through its CPU emulation."""
+import pytest
+import torch
+
+from conftest import make_params, requires_extension
+from pnm_kernels._ops import set_launch_limits
+
+pytestmark = requires_extension
+
+
+def pnm_args(n=3, dtype=torch.float32, device="cpu"):
+    shapes = [(5,), (130,), (2, 3)][:n]
+    gen = torch.Generator().manual_seed(0)
+    mk = lambda: [torch.randn(s, generator=gen).to(dtype).to(device) for s in shapes]  # noqa: E731
+    zeros = lambda: [torch.zeros(s, dtype=dtype, device=device) for s in shapes]  # noqa: E731
+    steps = [torch.tensor(float(i), device=device) for i in range(len(shapes))]
+    return [mk(), mk(), zeros(), zeros(), steps]
+
+
+def pnm_kwargs(**over):
+    kw = dict(lr=1e-2, beta1=0.9, beta0=1.0, weight_decay=0.1, decoupled=True, maximize=False)
+    kw.update(over)
+    return kw
+
+
+def adapnm_args(amsgrad=True, dtype=torch.float32):
+    params, grads, m, m_other, steps = pnm_args(dtype=dtype)
+    v = [torch.zeros_like(p) for p in params]
+    v_max = [torch.zeros_like(p) for p in params] if amsgrad else []
+    return [params, grads, m, m_other, v, v_max, steps]
+
+
+def adapnm_kwargs(**over):
+    kw = dict(lr=1e-2, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.1,
+              amsgrad=True, decoupled=False, maximize=True)
+    kw.update(over)
+    return kw
+
+
+OPS = ["pnm_step_", "emulated_cuda_pnm_step_"]
+ADA_OPS = ["adapnm_step_", "emulated_cuda_adapnm_step_"]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_opcheck_pnm(op, dtype):
+    torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default,
+                          pnm_args(dtype=dtype), pnm_kwargs())
+    torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, pnm_args(),
+                          pnm_kwargs(lr_tensor=torch.tensor(0.1), grad_scale=torch.tensor(4.0),
+                                     found_inf=torch.tensor(0.0)))
+
+
+@pytest.mark.parametrize("op", ADA_OPS)
+@pytest.mark.parametrize("amsgrad", [True, False])
+def test_opcheck_adapnm(op, amsgrad):
+    torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, adapnm_args(amsgrad),
+                          adapnm_kwargs(amsgrad=amsgrad))
+
+
+def test_found_inf_skips_everything_including_the_step_counter():
+    for op in OPS:
+        args = pnm_args()
+        before = [[t.clone() for t in lst] for lst in args]
+        getattr(torch.ops.pnm_kernels, op)(*args, **pnm_kwargs(found_inf=torch.tensor(1.0)))
+        for lst, old in zip(args, before):
+            for t, o in zip(lst, old):
+                assert torch.equal(t, o)
+
+
+@pytest.mark.parametrize("op", OPS)
+def test_grad_scale_unscales_in_the_kernel(op):
+    a, b = pnm_args(), pnm_args()
+    b[1] = [g * 1024 for g in b[1]]
+    fn = getattr(torch.ops.pnm_kernels, op)
+    fn(*a, **pnm_kwargs())
+    fn(*b, **pnm_kwargs(grad_scale=torch.tensor(1024.0)))
+    for x, y in zip(a[0] + a[2] + a[4], b[0] + b[2] + b[4]):
+        torch.testing.assert_close(x, y)
+
+
+BAD_CALLS = [
+    ("list lengths", lambda a: a[1].pop(), "grads has 2 tensors but params has 3"),
+    ("shape", lambda a: a[1].__setitem__(1, torch.zeros(131)), r"grads\[1\] has shape"),
+    ("dtype", lambda a: a[2].__setitem__(0, torch.zeros(5, dtype=torch.float64)),
+     r"pos_momentums\[0\] has dtype"),
+    ("layout", lambda a: a[3].__setitem__(2, torch.zeros(3, 2).t()),
+     r"neg_momentums\[2\] must be dense and laid out like params\[2\]"),
+    ("not dense", lambda a: a[1].__setitem__(1, torch.zeros(260)[::2]),
+     r"grads\[1\] must be dense"),
+    ("step dtype", lambda a: a[4].__setitem__(0, torch.tensor(1, dtype=torch.int64)),
+     r"steps\[0\] must be a float32"),
+    ("param dtype", lambda a: a.__setitem__(0, [t.double() for t in a[0]]),
+     "params\\[0\\] has dtype Double"),
+]
+
+
+@pytest.mark.parametrize("op", OPS)
+@pytest.mark.parametrize("case,mutate,message", BAD_CALLS, ids=[c[0] for c in BAD_CALLS])
+def test_bad_arguments_raise_naming_the_culprit_and_write_nothing(op, case, mutate, message):
+    args = pnm_args()
+    mutate(args)
+    before = [t.clone() for t in args[0]]
+    with pytest.raises(RuntimeError, match=message):
+        getattr(torch.ops.pnm_kernels, op)(*args, **pnm_kwargs())
+    for t, b in zip(args[0], before):
+        assert torch.equal(t, b)
+
+
+@pytest.mark.parametrize("kw,message", [(dict(lr=-1.0), "invalid lr"),
+                                        (dict(beta1=1.0), "invalid beta1"),
+                                        (dict(beta0=float("nan")), "invalid beta0"),
+                                        (dict(weight_decay=-1.0), "invalid weight_decay")])
+def test_bad_scalars_raise_in_cpp(kw, message):
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pnm_kernels.pnm_step_(*pnm_args(), **pnm_kwargs(**kw))
+
+
+@pytest.mark.parametrize("limits", [(64, 1, 1), (64, 2, 3), (128, 400, 2), (0, 0, 0)],
+                         ids=["one-block-launches", "small-tables", "split-tensor", "defaults"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(limits, dtype):
+    """Many tensors per launch, tensors cut across launches, vector and masked paths: the
+    CUDA block body gives bitwise what the fused CPU kernel gives (same maths header)."""
+    shapes = [(1,), (3,), (8,), (1000,), (0,), (64,), (65,), (517,), (9, 7)]
+    emulated = [p.detach() for p in make_params(shapes, dtype=dtype)]
+    emulated.append(torch.zeros(1001, dtype=dtype)[1:].copy_(emulated[3]))  # misaligned
+    fused = [p.clone() for p in emulated]
+    state = {id(ps): ([[torch.zeros_like(p) for p in ps] for _ in range(4)],
+                      [torch.zeros(()) for _ in ps]) for ps in (emulated, fused)}
+    set_launch_limits(*limits)
+    try:
+        for _ in range(6):
+            grads = [torch.randn(p.shape).to(dtype) for p in emulated]
+            for params, op in ((emulated, "emulated_cuda_adapnm_step_"), (fused, "adapnm_step_")):
+                buffers, steps = state[id(params)]
+                getattr(torch.ops.pnm_kernels, op)(params, grads, *buffers, steps,
+                                                   **adapnm_kwargs(decoupled=True))
+    finally:
+        set_launch_limits()
+    flat = lambda ps: ps + sum(state[id(ps)][0], []) + state[id(ps)][1]  # noqa: E731
+    for x, y in zip(flat(emulated), flat(fused)):
+        assert torch.equal(x, y)
+    assert state[id(emulated)][1][0].item() == 6

@@ -1,0 +1,362 @@
+"""PNM and AdaPNM behave like torch's own optimizers in everything a user relies on."""
+import copy
+import math
+
+import pytest
+import torch
+
+from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
+                      make_params, train)
+from pnm_kernels import PNM, AdaPNM, available_backends
+from pnm_kernels import _backends
+from pnm_kernels.reference import noise_norm
+
+BOTH = pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+
+
+# --- the maths, against known optimizers -------------------------------------------------
+
+@pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
+@pytest.mark.parametrize("decoupled", [True, False])
+def test_adapnm_with_momentum_b0_is_adam(path, decoupled):
+    """b0 = -b1/(1+b1), no AMSGrad: AdaPNM is Adam(W) with lr / noise_norm (DESIGN.md §1)."""
+    b1, b2, wd, lr = 0.9, 0.999, 0.1, 1e-2
+    b0 = -b1 / (1 + b1)
+    nn = noise_norm(b0)
+    params = make_params([(257,), (3, 5)])
+    adam_params = clone_params(params)
+    opt = AdaPNM(params, lr=lr, betas=(b1, b2, b0), weight_decay=wd, amsgrad=False,
+                 decoupled=decoupled, backend=path)
+    if decoupled:  # AdamW decays by lr_adam * wd_adam = lr * wd
+        adam = torch.optim.AdamW(adam_params, lr=lr / nn, betas=(b1, b2), weight_decay=wd * nn)
+    else:
+        adam = torch.optim.Adam(adam_params, lr=lr / nn, betas=(b1, b2), weight_decay=wd)
+    train(opt, params, 60)
+    train(adam, adam_params, 60)
+    for p, q in zip(params, adam_params):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
+def test_pnm_with_momentum_b0_is_ema_momentum_sgd(path):
+    """b0 = -b1/(1+b1): PNM steps along m_t = b1 m_{t-1} + (1-b1) g_t, scaled by lr/nn."""
+    b1, lr = 0.9, 1e-2
+    b0 = -b1 / (1 + b1)
+    params = make_params([(257,), (3, 5)])
+    sgd_params = [p.detach().clone() for p in params]
+    buffers = [torch.zeros_like(p) for p in sgd_params]
+    opt = PNM(params, lr=lr, betas=(b1, b0), backend=path)
+    train(opt, params, 60)
+    from conftest import grads_for_step
+    for t in range(60):
+        for p, m, g in zip(sgd_params, buffers, grads_for_step(sgd_params, t)):
+            m.mul_(b1).add_(g, alpha=1 - b1)
+            p.add_(m, alpha=-lr / noise_norm(b0))
+    for p, q in zip(params, sgd_params):
+        torch.testing.assert_close(p.detach(), q)
+
+
+def test_first_step_by_hand():
+    """Step 1 of PNM with b0 = 1: m_pos = (1-b1^2) g, p -= lr * 2 m_pos / sqrt(5)."""
+    p = torch.tensor([1.0, -2.0], requires_grad=True)
+    opt = PNM([p], lr=0.1, betas=(0.5, 1.0), backend="reference")
+    p.grad = torch.tensor([4.0, 8.0])
+    opt.step()
+    m = 0.75 * torch.tensor([4.0, 8.0])
+    torch.testing.assert_close(p.detach(), torch.tensor([1.0, -2.0]) - 0.1 * 2 * m / math.sqrt(5))
+    assert opt.state[p]["step"].item() == 1
+    torch.testing.assert_close(opt.state[p]["neg_momentum"], torch.zeros(2))
+
+
+# --- the torch.optim contract ------------------------------------------------------------
+
+@BOTH
+def test_closure_loss_and_zero_grad(name):
+    p = torch.randn(4, requires_grad=True)
+    opt = OPTIMIZERS[name]([p])
+    loss = opt.step(lambda: (p**2).sum().backward() or (p**2).sum().detach())
+    assert loss is not None and p.grad is not None
+    opt.zero_grad()
+    assert p.grad is None
+
+
+@BOTH
+def test_params_without_grad_get_no_state_and_keep_their_parity(name):
+    a, b = torch.randn(3, requires_grad=True), torch.randn(3, requires_grad=True)
+    opt = OPTIMIZERS[name]([a, b])
+    a.grad = torch.ones(3)
+    opt.step()
+    assert b not in opt.state and opt.state[a]["step"].item() == 1
+    b.grad = torch.ones(3)
+    opt.step()
+    assert opt.state[a]["step"].item() == 2 and opt.state[b]["step"].item() == 1
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_lr_scheduler_and_tensor_lr(path, name):
+    params = make_params([(100,), (7,)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=torch.tensor(0.01), backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=torch.tensor(0.01), backend="reference")
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=3, gamma=0.5) for o in (opt, ref)]
+    for t in range(10):
+        train(opt, params, 1, start=t)
+        train(ref, ref_params, 1, start=t)
+        for s in scheds:
+            s.step()
+    assert_states_close(opt, params, ref, ref_params)
+    assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.5**3)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_mixed_dtypes_complex_and_odd_layouts_in_one_group(path, name):
+    """fp32/fp16/bf16, complex, transposed, channels_last, a strided slice, 0-dim, empty."""
+    gen = torch.Generator().manual_seed(0)
+    base = torch.randn(8, 12, generator=gen)
+    tensors = [
+        torch.randn(10, generator=gen),
+        torch.randn(9, generator=gen).half(),
+        torch.randn(6, 2, generator=gen).bfloat16(),
+        torch.randn(5, generator=gen, dtype=torch.complex64),
+        torch.randn(6, 4, generator=gen).t(),                                   # transposed
+        torch.randn(2, 3, 4, 5, generator=gen).to(memory_format=torch.channels_last),
+        base[:, ::3],                                                          # not dense
+        torch.randn((), generator=gen),
+        torch.randn(0, generator=gen),
+    ]
+    if path == "triton":
+        tensors[3] = torch.randn(5, generator=gen)  # complex is tested for fused/foreach
+    params = [t.to(DEVICE).requires_grad_() for t in tensors]
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    for group in (params, ref_params):
+        for p in group:
+            assert p.is_leaf
+    opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, weight_decay=0.1, backend="reference")
+    for t in range(6):
+        for ps in (params, ref_params):
+            gen_t = torch.Generator().manual_seed(t)
+            for p in ps:
+                g = torch.randn(p.shape, generator=gen_t, dtype=p.dtype if p.is_complex() else torch.float32)
+                # a gradient laid out differently from its parameter
+                p.grad = g.to(p.dtype).to(DEVICE).contiguous()
+        opt.step()
+        ref.step()
+    # This test is about layouts and mixing; precision has its own test (test_backends.py).
+    # fp32/complex members must match at default tolerances; fp16/bf16 members differ from
+    # the reference by its per-op roundings (a few ulps after six steps).
+    low = {1, 2}
+    full = [i for i in range(len(params)) if i not in low]
+    assert_states_close(opt, [params[i] for i in full], ref, [ref_params[i] for i in full])
+    assert_states_close(opt, [params[i] for i in low], ref, [ref_params[i] for i in low],
+                        atol=4e-2, rtol=2e-2)
+    assert params[6].stride() == (12, 3)  # the strided slice was updated in place
+
+
+@pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
+@BOTH
+def test_l2_mode_never_writes_into_grad(path, name):
+    p = make_params([(33,)])[0]
+    opt = OPTIMIZERS[name]([p], weight_decay=0.5, decoupled=False, backend=path)
+    p.grad = torch.ones_like(p)
+    opt.step()
+    torch.testing.assert_close(p.grad, torch.ones_like(p))
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_state_dict_round_trip_mid_run_is_bitwise(path, name):
+    params = make_params([(50,), (3, 3)])
+    straight = clone_params(params)
+    opt_straight = OPTIMIZERS[name](straight, lr=1e-2, backend=path)
+    train(opt_straight, straight, 9)
+
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 5)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = clone_params(params)
+    opt2 = OPTIMIZERS[name](resumed, lr=1e-2, backend=path)
+    opt2.load_state_dict(saved)
+    train(opt2, resumed, 4, start=5)
+    for p, q in zip(resumed, straight):
+        assert torch.equal(p, q)
+    assert_states_close(opt2, resumed, opt_straight, straight, atol=0, rtol=0)
+
+
+@BOTH
+def test_loads_a_checkpoint_in_the_authors_format(name):
+    """The authors' optimizers store step as a Python int and know no maximize/backend."""
+    params = make_params([(20,), (4,)])
+    straight = clone_params(params)
+    opt_straight = OPTIMIZERS[name](straight, lr=1e-2)
+    train(opt_straight, straight, 7)
+
+    opt = OPTIMIZERS[name](params, lr=1e-2)
+    train(opt, params, 4)
+    saved = copy.deepcopy(opt.state_dict())
+    for state in saved["state"].values():
+        state["step"] = int(state["step"].item())
+    for group in saved["param_groups"]:
+        del group["maximize"], group["backend"]
+    resumed = clone_params(params)
+    opt2 = OPTIMIZERS[name](resumed, lr=1e-2)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["maximize"] is False
+    assert opt2.state[resumed[0]]["step"].dtype == torch.float32
+    train(opt2, resumed, 3, start=4)
+    for p, q in zip(resumed, straight):
+        assert torch.equal(p, q)
+
+
+@BOTH
+def test_deepcopy_is_independent(name):
+    params = make_params([(5,)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 3)
+    twin = copy.deepcopy(opt)
+    twin_param = twin.param_groups[0]["params"][0]
+    torch.testing.assert_close(twin.state[twin_param]["exp_avg" if name == "AdaPNM" else "pos_momentum"],
+                               opt.state[params[0]]["exp_avg" if name == "AdaPNM" else "pos_momentum"])
+    twin_param.grad = torch.ones(5)
+    twin.step()
+    assert opt.state[params[0]]["step"].item() == 3
+
+
+def test_amsgrad_switched_on_mid_run_creates_its_buffer():
+    params = make_params([(5,)])
+    opt = AdaPNM(params, amsgrad=False)
+    train(opt, params, 2)
+    assert "max_exp_avg_sq" not in opt.state[params[0]]
+    opt.param_groups[0]["amsgrad"] = True
+    train(opt, params, 1, start=2)
+    assert "max_exp_avg_sq" in opt.state[params[0]]
+
+
+def test_auto_backend_picks_fused_on_cpu_when_built():
+    expected = "fused" if "fused" in available_backends("cpu") else "foreach"
+    assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float32) == expected
+    assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float64) == "foreach"
+
+
+# --- bad input: a clear error, and nothing touched --------------------------------------
+
+BAD_HYPER = [
+    ("PNM", dict(lr=-1.0), "lr"),
+    ("PNM", dict(lr=float("nan")), "lr"),
+    ("PNM", dict(lr=float("inf")), "lr"),
+    ("PNM", dict(lr=torch.tensor([0.1, 0.2])), "lr"),
+    ("PNM", dict(betas=(0.9, 1.0, 1.0)), "betas"),
+    ("PNM", dict(betas=(1.0, 1.0)), "beta1"),
+    ("PNM", dict(betas=(-0.1, 1.0)), "beta1"),
+    ("PNM", dict(betas=(0.9, float("nan"))), "beta0"),
+    ("PNM", dict(betas=(0.9, float("inf"))), "beta0"),
+    ("PNM", dict(weight_decay=-1e-3), "weight_decay"),
+    ("PNM", dict(weight_decay=float("nan")), "weight_decay"),
+    ("PNM", dict(decoupled="yes"), "decoupled"),
+    ("PNM", dict(backend="cuda-magic"), "backend"),
+    ("AdaPNM", dict(betas=(0.9, 1.0)), "betas"),
+    ("AdaPNM", dict(betas=(0.9, 1.0, 1.0)), "beta2"),
+    ("AdaPNM", dict(betas=(0.9, float("nan"), 1.0)), "beta2"),
+    ("AdaPNM", dict(eps=-1e-8), "eps"),
+    ("AdaPNM", dict(eps=float("inf")), "eps"),
+    ("AdaPNM", dict(amsgrad=1), "amsgrad"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,culprit", BAD_HYPER,
+                         ids=[f"{n}-{c}-{i}" for i, (n, _, c) in enumerate(BAD_HYPER)])
+def test_invalid_hyper_parameters_raise_naming_the_argument(name, kwargs, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        OPTIMIZERS[name]([torch.zeros(2, requires_grad=True)], **kwargs)
+
+
+@BOTH
+def test_negative_b0_is_legal(name):
+    betas = (0.9, 0.999, -0.4) if name == "AdaPNM" else (0.9, -0.4)
+    OPTIMIZERS[name]([torch.zeros(2, requires_grad=True)], betas=betas)
+
+
+@BOTH
+def test_invalid_value_set_after_construction_raises_at_step_before_any_change(name):
+    params = make_params([(4,)])
+    opt = OPTIMIZERS[name](params)
+    opt.param_groups[0]["lr"] = float("nan")
+    params[0].grad = torch.ones(4)
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*lr"):
+        opt.step()
+    assert torch.equal(params[0], before) and not opt.state
+
+
+def _bad_grad_cases():
+    p = torch.zeros(3, 2)
+    return [
+        ("sparse", torch.zeros(3, 2).to_sparse(), "sparse"),
+        ("shape", torch.zeros(2, 3), "does not match"),
+        ("dtype", torch.zeros(3, 2, dtype=torch.float64), "does not match"),
+    ]
+
+
+@pytest.mark.parametrize("case,grad,message", _bad_grad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+@BOTH
+def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, message):
+    good = make_params([(5,), (6,)])
+    bad = torch.zeros(3, 2, requires_grad=True)
+    opt = OPTIMIZERS[name]([{"params": good}, {"params": [bad], "lr": 0.1}])
+    train(opt, good, 2)
+    snapshot = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in good]
+    for p in good:
+        p.grad = torch.ones_like(p)
+    if grad.is_sparse:
+        bad.grad = grad
+    else:  # torch's grad setter refuses such gradients; .data does not check
+        bad.grad = torch.zeros(3, 2)
+        bad.grad.data = grad
+    with pytest.raises(RuntimeError, match=rf"param_groups\[1\]\['params'\]\[0\].*{message}"):
+        opt.step()
+    for p, v in zip(good, values):
+        assert torch.equal(p, v)
+    assert bad not in opt.state
+    after = opt.state_dict()
+    for k, state in snapshot["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][k][key], value)
+
+
+def test_unsupported_dtype_for_a_kernel_backend_names_the_parameter():
+    p = torch.zeros(3, dtype=torch.float64, requires_grad=True)
+    opt = PNM([p], backend="fused")
+    p.grad = torch.ones(3, dtype=torch.float64)
+    with pytest.raises(RuntimeError, match=r"params'\]\[0\].*float64"):
+        opt.step()
+    assert not opt.state
+
+
+def test_unavailable_backend_says_why(monkeypatch):
+    monkeypatch.setattr(_backends, "extension_error", lambda: "built without it, for the test")
+    p = torch.zeros(3, requires_grad=True)
+    opt = PNM([p], backend="fused")
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="built without it, for the test"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(3))
+
+
+def test_triton_on_cpu_without_the_interpreter_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = torch.zeros(3, requires_grad=True)
+    opt = PNM([p], backend="triton")
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        opt.step()
+
+
+def test_fused_on_a_device_without_kernels_says_why():
+    p = torch.zeros(3, device="meta", requires_grad=True)
+    opt = PNM([p], backend="fused")
+    p.grad = torch.zeros(3, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        opt.step()
