@@ -193,38 +193,70 @@ namespace {
 constexpr int64_t kCpuChunk = 1 << 15;
 constexpr int64_t kCpuTile = 512;
 
+// The loops take a local copy of the coefficients: through a reference GCC cannot rule out
+// aliasing with the arrays, and does not vectorise the AdaPNM loop.
 template <bool kDecoupled>
-void cpu_loop(PnmAlgo<kDecoupled>, float* const* x, int64_t n, const Coeffs& c, float gf) {
+PNM_HOST_DEVICE void cpu_loop_body(PnmAlgo<kDecoupled>, float* const* x, int64_t n,
+                                   const Coeffs coeffs, float gf) {
   float* __restrict__ p = x[0];
   const float* __restrict__ g = x[1];
   float* __restrict__ m = x[2];
   const float* __restrict__ m_other = x[3];
   for (int64_t i = 0; i < n; ++i) {
     float pi = p[i], mi = m[i];
-    pnm_element<kDecoupled>(pi, g[i] * gf, mi, m_other[i], c);
+    pnm_element<kDecoupled>(pi, g[i] * gf, mi, m_other[i], coeffs);
     p[i] = pi;
     m[i] = mi;
   }
 }
 
+// Arrays as restrict parameters: taken from x[] inside, GCC does not vectorise six of them.
 template <bool kDecoupled, bool kAmsgrad>
-void cpu_loop(AdaPnmAlgo<kDecoupled, kAmsgrad>, float* const* x, int64_t n, const Coeffs& c,
-              float gf) {
-  float* __restrict__ p = x[0];
-  const float* __restrict__ g = x[1];
-  float* __restrict__ m = x[2];
-  const float* __restrict__ m_other = x[3];
-  float* __restrict__ v = x[4];
-  float* __restrict__ v_max = kAmsgrad ? x[5] : nullptr;
+PNM_HOST_DEVICE void adapnm_loop(float* __restrict__ p, const float* __restrict__ g,
+                                 float* __restrict__ m, const float* __restrict__ m_other,
+                                 float* __restrict__ v, float* __restrict__ v_max, int64_t n,
+                                 const Coeffs coeffs, float gf) {
   for (int64_t i = 0; i < n; ++i) {
     float pi = p[i], mi = m[i], vi = v[i];
     float vmi = kAmsgrad ? v_max[i] : 0.0f;
-    adapnm_element<kDecoupled, kAmsgrad>(pi, g[i] * gf, mi, m_other[i], vi, vmi, c);
+    adapnm_element<kDecoupled, kAmsgrad>(pi, g[i] * gf, mi, m_other[i], vi, vmi, coeffs);
     p[i] = pi;
     m[i] = mi;
     v[i] = vi;
-    if (kAmsgrad) v_max[i] = vmi;
+    if constexpr (kAmsgrad) v_max[i] = vmi;
   }
+}
+
+template <bool kDecoupled, bool kAmsgrad>
+PNM_HOST_DEVICE void cpu_loop_body(AdaPnmAlgo<kDecoupled, kAmsgrad>, float* const* x, int64_t n,
+                                   const Coeffs coeffs, float gf) {
+  adapnm_loop<kDecoupled, kAmsgrad>(x[0], x[1], x[2], x[3], x[4], kAmsgrad ? x[5] : nullptr, n,
+                                    coeffs, gf);
+}
+
+// The same loop compiled twice: for the x86-64 baseline (SSE2) and for AVX2, picked at run
+// time. No FMA: the CPU kernel stays bitwise equal to the emulated CUDA path, whose tests
+// compare the two.
+template <class Algo>
+void cpu_loop_baseline(float* const* x, int64_t n, const Coeffs& c, float gf) {
+  cpu_loop_body(Algo{}, x, n, c, gf);
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+template <class Algo>
+__attribute__((target("avx2"))) void cpu_loop_avx2(float* const* x, int64_t n, const Coeffs& c,
+                                                    float gf) {
+  cpu_loop_body(Algo{}, x, n, c, gf);
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2");
+#endif
+
+template <class Algo>
+void cpu_loop(Algo, float* const* x, int64_t n, const Coeffs& c, float gf) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (kHasAvx2) return cpu_loop_avx2<Algo>(x, n, c, gf);
+#endif
+  cpu_loop_baseline<Algo>(x, n, c, gf);
 }
 
 template <typename T, class Algo>

@@ -1,0 +1,282 @@
+"""Optimizer step throughput: PNM/AdaPNM on every available backend against torch.optim.
+
+    python benchmarks/bench_step.py [--device cpu|cuda] [--quick] [--dtype float32|bfloat16]
+                                    [--sets transformer,small2000,...] [--out DIR]
+
+Every contender runs in this one process, interleaved round by round, warm-up excluded; the
+figure kept is the median over rounds. Throughput is "effective GB/s": the minimum bytes the
+algorithm must move (DESIGN.md §2) times the parameter count, divided by the step time, also
+shown as a fraction of this device's measured copy bandwidth. Writes a Markdown table (also
+printed), a JSON with every figure and the machine, and a PNG plot.
+"""
+import argparse
+import datetime
+import json
+import os
+import platform
+import statistics
+import sys
+import time
+
+import torch
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+import pnm_kernels  # noqa: E402
+from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
+
+# Bytes per element per step (fp32; scaled by the element size for other dtypes).
+BYTES_PER_ELEMENT = {"PNM": 24, "AdaPNM": 40, "SGD-momentum": 20, "Adam-amsgrad": 36}
+
+
+def transformer_shapes(d=512, layers=6, vocab=8192, ff=4):
+    """A GPT-style stack: ~23M parameters in ~75 tensors."""
+    shapes = [(vocab, d), (1024, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,),
+                   (d, ff * d), (ff * d,), (ff * d, d), (d,)]
+    return shapes + [(d,), (d,)]
+
+
+def gpt2_124m_shapes():
+    return transformer_shapes(d=768, layers=12, vocab=50257)
+
+
+def small_tensors_shapes(n=2000):
+    """2,000 small tensors (biases, norms, adapters): where launch and host overheads show."""
+    return [((i * 37) % 1500 + 64,) for i in range(n)]
+
+
+SETS = {
+    "transformer": transformer_shapes,
+    "small2000": small_tensors_shapes,
+    "gpt2-124m": gpt2_124m_shapes,
+    **{f"flat{n}M": (lambda n=n: [(n << 20,)]) for n in (1, 4, 16, 64, 256, 1024)},
+}
+DEFAULT_SETS = {"cpu": ["small2000", "transformer", "flat1M", "flat16M"],
+                "cuda": ["small2000", "transformer", "gpt2-124m", "flat1M", "flat16M",
+                         "flat64M", "flat256M", "flat1024M"]}
+QUICK_SETS = {"cpu": ["small2000", "transformer"], "cuda": ["small2000", "transformer", "flat64M"]}
+
+
+def contenders(device):
+    """(label, family, factory(params)) for every optimizer compared."""
+    out = []
+    for backend in available_backends(device) + ["reference"]:
+        if backend == "foreach" and device == "cuda":
+            pass
+        out.append((f"PNM[{backend}]", "PNM",
+                    lambda ps, b=backend: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b)))
+        out.append((f"AdaPNM[{backend}]", "AdaPNM",
+                    lambda ps, b=backend: AdaPNM(ps, lr=1e-3, amsgrad=True, backend=b)))
+    for impl in ("foreach", "fused"):
+        flag = {impl: True}
+        out.append((f"torch.SGD-momentum[{impl}]", "SGD-momentum",
+                    lambda ps, f=flag: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, **f)))
+        out.append((f"torch.Adam-amsgrad[{impl}]", "Adam-amsgrad",
+                    lambda ps, f=flag: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, **f)))
+        if device == "cuda":
+            out.append((f"torch.AdamW-amsgrad[{impl}]", "Adam-amsgrad",
+                        lambda ps, f=flag: torch.optim.AdamW(ps, lr=1e-3, amsgrad=True, **f)))
+    return out
+
+
+def synchronize(device):
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def copy_bandwidth(device, numel, repeats=10):
+    """Measured read+write bandwidth of a large device-to-device copy, in GB/s."""
+    src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
+    dst = torch.empty_like(src)
+    times = []
+    for _ in range(repeats + 2):
+        synchronize(device)
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        synchronize(device)
+        times.append(time.perf_counter() - t0)
+    return 2 * src.numel() * 4 / statistics.median(times[2:]) / 1e9
+
+
+class Progress:
+    """A one-line progress bar on stderr."""
+
+    def __init__(self, total):
+        self.total, self.done, self.start = total, 0, time.time()
+
+    def advance(self, label):
+        self.done += 1
+        width = 30
+        filled = int(width * self.done / self.total)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
+                         f"{time.time() - self.start:5.0f}s {label[:40]:<40}")
+        sys.stderr.flush()
+        if self.done == self.total:
+            sys.stderr.write("\n")
+
+
+def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress):
+    entries = contenders(device)
+    numel = sum(torch.Size(s).numel() for s in shapes)
+    runs = []
+    for label, family, factory in entries:
+        if label.endswith("[reference]") and numel > (64 << 20):
+            continue  # the eager per-parameter loop at this size only measures the host
+        if "[fused]" in label and label.startswith("torch.") and dtype != torch.float32 and device == "cpu":
+            pass
+        params = [torch.zeros(s, device=device, dtype=dtype).normal_().requires_grad_()
+                  for s in shapes]
+        for p in params:
+            p.grad = torch.randn_like(p) * 1e-2
+        try:
+            opt = factory(params)
+            for _ in range(3):  # warm-up: state allocation, compilation, caches
+                opt.step()
+            synchronize(device)
+        except Exception as e:  # noqa: BLE001  (a contender that cannot run here is reported)
+            runs.append(dict(label=label, family=family, error=f"{type(e).__name__}: {e}"))
+            continue
+        runs.append(dict(label=label, family=family, opt=opt, times=[],
+                         state_bytes=sum(t.numel() * t.element_size()
+                                         for st in opt.state.values() for t in st.values()
+                                         if torch.is_tensor(t))))
+    for _ in range(rounds):  # interleaved: every contender once per round
+        for run in runs:
+            if "opt" not in run:
+                continue
+            synchronize(device)
+            t0 = time.perf_counter()
+            for _ in range(steps_per_round):
+                run["opt"].step()
+            synchronize(device)
+            run["times"].append((time.perf_counter() - t0) / steps_per_round)
+        progress.advance(name)
+    results = []
+    scale = torch.tensor([], dtype=dtype).element_size() / 4
+    for run in runs:
+        row = dict(set=name, label=run["label"], family=run["family"], numel=numel,
+                   tensors=len(shapes))
+        if "error" in run:
+            row["error"] = run["error"]
+        else:
+            t = statistics.median(run["times"])
+            row.update(ms=t * 1e3, times_ms=[x * 1e3 for x in run["times"]],
+                       gbps=BYTES_PER_ELEMENT[run["family"]] * scale * numel / t / 1e9,
+                       state_bytes=run["state_bytes"])
+        results.append(row)
+        run.pop("opt", None)
+    by_label = {r["label"]: r for r in results if "ms" in r}
+    for r in results:
+        if "ms" not in r:
+            continue
+        ref = by_label.get(f"{r['family']}[reference]")
+        if ref:
+            r["speedup_vs_reference"] = ref["ms"] / r["ms"]
+        peer = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused]"}.get(r["family"])
+        if peer in by_label:
+            r["time_vs_torch_fused"] = r["ms"] / by_label[peer]["ms"]
+            r["gbps_vs_torch_fused"] = r["gbps"] / by_label[peer]["gbps"]
+    return results
+
+
+def machine_info(device, args):
+    info = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
+                command=" ".join([os.path.basename(sys.executable)] + sys.argv),
+                torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
+                pnm_kernels=pnm_kernels.__version__, device=device,
+                cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
+    try:
+        with open("/proc/cpuinfo") as f:
+            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+    except (OSError, StopIteration):
+        pass
+    try:
+        import triton
+        info["triton"] = triton.__version__
+    except ImportError:
+        info["triton"] = None
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name()
+        info["driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
+    return info
+
+
+def write_table(results, copy_gbps, info):
+    lines = [f"Device: {info.get('gpu') or info['cpu']} ({info['device']}, {info['threads']} threads), "
+             f"torch {info['torch']}, triton {info['triton']}; copy bandwidth {copy_gbps:.1f} GB/s",
+             "", "| set | optimizer | ms/step | eff. GB/s | % of copy BW | vs reference | "
+             "time vs torch fused | GB/s vs torch fused |", "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['set']} | {r['label']} | unavailable: {r['error'][:60]} |||||| ")
+            continue
+        lines.append(f"| {r['set']} | {r['label']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
+                     f"{100 * r['gbps'] / copy_gbps:.0f}% | {fmt(r, 'speedup_vs_reference', '%.1fx')} | "
+                     f"{fmt(r, 'time_vs_torch_fused', '%.2f')} | {fmt(r, 'gbps_vs_torch_fused', '%.2f')} |")
+    return "\n".join(lines)
+
+
+def plot(results, copy_gbps, info, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(9, 5.5))
+    labels = sorted({r["label"] for r in results if "gbps" in r})
+    for label in labels:
+        pts = sorted((r["numel"], r["gbps"]) for r in results if r["label"] == label and "gbps" in r)
+        style = "-o" if label.startswith(("PNM", "AdaPNM")) else "--s"
+        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4)
+    ax.axhline(copy_gbps, color="black", linestyle=":", label=f"copy bandwidth {copy_gbps:.0f} GB/s")
+    ax.set_xscale("log")
+    ax.set_xlabel("parameters (elements)")
+    ax.set_ylabel("effective GB/s")
+    ax.set_title(f"Optimizer step throughput on {info.get('gpu') or info['cpu']}", fontsize=10)
+    ax.legend(fontsize=7, ncol=2)
+    ax.grid(alpha=0.3)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+    plt.close(fig)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--device", choices=["cpu", "cuda"],
+                        default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--quick", action="store_true", help="a short run (under a minute on CPU)")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--sets", help=f"comma-separated, from {', '.join(SETS)}")
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--rounds", type=int, help="timed rounds per contender")
+    args = parser.parse_args(argv)
+    device, dtype = args.device, getattr(torch, args.dtype)
+    if device == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: no CUDA device is available")
+    names = args.sets.split(",") if args.sets else (QUICK_SETS if args.quick else DEFAULT_SETS)[device]
+    for n in names:
+        if n not in SETS:
+            parser.error(f"unknown set {n!r}; choose from {', '.join(SETS)}")
+    rounds = args.rounds or (3 if args.quick else 7)
+    steps_per_round = 2 if args.quick else 5
+    info = machine_info(device, args)
+    copy_gbps = copy_bandwidth(device, (16 << 20) if device == "cpu" or args.quick else (256 << 20))
+    progress = Progress(rounds * len(names))
+    results = []
+    for name in names:
+        results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round, progress)
+    table = write_table(results, copy_gbps, info)
+    print(table)
+    os.makedirs(args.out, exist_ok=True)
+    tag = f"{device}-{args.dtype}{'-quick' if args.quick else ''}"
+    with open(os.path.join(args.out, f"bench_step-{tag}.json"), "w") as f:
+        json.dump(dict(machine=info, copy_gbps=copy_gbps, dtype=args.dtype, results=results), f, indent=1)
+    with open(os.path.join(args.out, f"bench_step-{tag}.md"), "w") as f:
+        f.write(table + "\n")
+    plot(results, copy_gbps, info, os.path.join(args.out, f"bench_step-{tag}.png"))
+    print(f"\nwrote {args.out}/bench_step-{tag}.{{json,md,png}}")
+
+
+if __name__ == "__main__":
+    main()
