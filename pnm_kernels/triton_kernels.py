@@ -53,9 +53,8 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
     grad_factor = grad_sign
     if HAS_GRAD_SCALE:
         grad_factor = grad_sign / tl.load(grad_scale_ptr)
-    keep = numel > 0
-    if HAS_FOUND_INF:
-        keep = tl.load(found_inf_ptr) == 0.0
+    if HAS_FOUND_INF:  # an inf/NaN gradient somewhere: this step writes nothing
+        numel = tl.where(tl.load(found_inf_ptr) == 0.0, numel, 0)
 
     pos = tl.load(ptr_table + 2 * n_tensors + t)
     neg = tl.load(ptr_table + 3 * n_tensors + t)
@@ -78,7 +77,7 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
 
     for i in tl.static_range(ITERS):
         offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = (offs < numel) & keep
+        mask = offs < numel
         p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
         g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
         m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
@@ -111,9 +110,9 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
 def _increment_steps_kernel(step_table, n_tensors, found_inf_ptr,
                             HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
-    mask = offs < n_tensors
     if HAS_FOUND_INF:
-        mask = mask & (tl.load(found_inf_ptr) == 0.0)
+        n_tensors = tl.where(tl.load(found_inf_ptr) == 0.0, n_tensors, 0)
+    mask = offs < n_tensors
     addr = tl.load(step_table + offs, mask=mask, other=0).to(tl.pointer_type(tl.float32))
     tl.store(addr, tl.load(addr, mask=mask) + 1.0, mask=mask)
 

@@ -1,0 +1,75 @@
+"""AMP: GradScaler hands grad_scale/found_inf to the step (no host unscale), an inf skips the
+whole step (no parameter, state or step counter changes) and lowers the scale."""
+import copy
+
+import pytest
+import torch
+
+from conftest import FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, make_params, train
+
+PATHS = FAST_PATHS + ["reference"]
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_grad_scale_is_unscaled_in_the_step(path, name):
+    params = make_params([(40,), (3, 3)])
+    plain = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](plain, lr=1e-2, backend="reference")
+    for t in range(5):
+        train(ref, plain, 1, start=t)
+        from conftest import grads_for_step
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g * 1024
+        opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+        opt.step()
+    assert_states_close(opt, params, ref, plain)
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_found_inf_changes_nothing(path, name):
+    params = make_params([(40,), (5,)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 3)
+    before = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(1.0)
+    opt.step()
+    for p, v in zip(params, values):
+        assert torch.equal(p, v)
+    for k, st in before["state"].items():
+        for key, value in st.items():
+            assert torch.equal(opt.state_dict()["state"][k][key], value), key
+
+
+@pytest.mark.parametrize("path", ["fused", "reference"], indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_grad_scaler_end_to_end_with_an_injected_inf(path, name):
+    torch.manual_seed(0)
+    model = torch.nn.Linear(8, 4)
+    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, backend=path)
+    assert opt._step_supports_amp_scaling
+    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
+    x = torch.randn(16, 8)
+    for it in range(4):
+        opt.zero_grad()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = model(x).float().pow(2).mean()
+        scaler.scale(loss).backward()
+        if it == 2:
+            model.weight.grad[0, 0] = float("inf")
+            before = [p.detach().clone() for p in model.parameters()]
+            steps = [opt.state[p]["step"].clone() for p in model.parameters()]
+        scaler.step(opt)
+        if it == 2:
+            for p, b, s in zip(model.parameters(), before, steps):
+                assert torch.equal(p, b) and torch.equal(opt.state[p]["step"], s)
+            scale_before = scaler.get_scale()
+        scaler.update()
+        if it == 2:
+            assert scaler.get_scale() < scale_before
+    assert opt.state[model.weight]["step"].item() == 3

@@ -1,0 +1,31 @@
+"""The benchmark script runs in --quick mode and writes a well-formed record (no timings are
+judged here: figures belong to benchmarks, not tests)."""
+import json
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+import bench_step  # noqa: E402
+
+
+def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
+    bench_step.main(["--quick", "--device", "cpu", "--sets", "flat1M", "--rounds", "1",
+                     "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "bench_step-cpu-float32-quick.json").read_text())
+    assert record["machine"]["device"] == "cpu" and record["copy_gbps"] > 0
+    labels = {r["label"] for r in record["results"]}
+    assert {"PNM[reference]", "AdaPNM[reference]", "torch.SGD-momentum[fused]",
+            "torch.Adam-amsgrad[fused]"} <= labels
+    for r in record["results"]:
+        if "error" not in r:
+            assert r["ms"] > 0 and r["gbps"] > 0 and r["numel"] == 1 << 20
+    png = (tmp_path / "bench_step-cpu-float32-quick.png").read_bytes()
+    assert png[:8] == b"\x89PNG\r\n\x1a\n"
+    assert "| set | optimizer |" in capsys.readouterr().out
+
+
+def test_unknown_set_is_refused():
+    with pytest.raises(SystemExit):
+        bench_step.main(["--sets", "nonsense", "--device", "cpu"])

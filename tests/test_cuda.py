@@ -1,0 +1,66 @@
+"""GPU-only checks (skipped without CUDA): the CUDA and Triton kernels on device tensors are
+also covered by every test parametrised over FAST_PATHS; these add what only a GPU has."""
+import pytest
+import torch
+
+from conftest import OPTIMIZERS, assert_states_close, clone_params, make_params, requires_cuda, train
+
+pytestmark = requires_cuda
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name):
+    torch.manual_seed(0)
+    models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+              for _ in range(2)]
+    models[1].load_state_dict(models[0].state_dict())
+    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 8, device="cuda")
+    opts = [OPTIMIZERS[name](m.parameters(), lr=torch.tensor(1e-2, device="cuda"), backend=backend)
+            for m in models]
+    scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
+
+    def train_step(model, opt):
+        opt.zero_grad(set_to_none=False)
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):  # warm-up: state, tables and autotuning happen outside capture
+            train_step(models[0], opts[0])
+            train_step(models[1], opts[1])
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        train_step(models[0], opts[0])
+    for _ in range(6):
+        graph.replay()
+        train_step(models[1], opts[1])
+        for s in scheds:
+            s.step()
+    torch.cuda.synchronize()
+    for p, q in zip(models[0].parameters(), models[1].parameters()):
+        torch.testing.assert_close(p, q)
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_cpu_grad_for_a_cuda_param_raises_clearly(name):
+    p = torch.zeros(4, device="cuda", requires_grad=True)
+    opt = OPTIMIZERS[name]([p], backend="fused")
+    p.grad = torch.zeros(4, device="cuda")
+    p.grad.data = torch.zeros(4)
+    with pytest.raises(RuntimeError, match="does not match"):
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_large_set_on_gpu_matches_reference(backend):
+    params = make_params([(1 << 22,), (4097,), (3,)], device="cuda")
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-3, backend=backend)
+    ref = OPTIMIZERS["AdaPNM"](ref_params, lr=1e-3, backend="reference")
+    train(opt, params, 5)
+    train(ref, ref_params, 5)
+    assert_states_close(opt, params, ref, ref_params)
