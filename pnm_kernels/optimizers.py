@@ -93,6 +93,7 @@ def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
 def _normalise_loaded_state(optimizer) -> None:
     """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
     another device becomes a float32 tensor on its parameter's device."""
+    optimizer._state_epoch = getattr(optimizer, "_state_epoch", 0) + 1  # drop cached batches
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -105,14 +106,17 @@ def _normalise_loaded_state(optimizer) -> None:
 class _PositiveNegativeMomentum(Optimizer):
     _adaptive = False
     _buffer_names = PNM_BUFFERS
+    # GradScaler then hands over grad_scale/found_inf instead of unscaling on the host.
+    _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults):
         where = "defaults"
         _validate_group(dict(defaults, params=[]), self._adaptive, where)
         super().__init__(params, defaults)
-        # GradScaler then hands over grad_scale/found_inf instead of unscaling on the host.
-        self._step_supports_amp_scaling = True
-        self.register_load_state_dict_post_hook(_normalise_loaded_state)
+
+    def load_state_dict(self, state_dict: dict) -> None:
+        super().load_state_dict(state_dict)
+        _normalise_loaded_state(self)
 
     def add_param_group(self, param_group: dict) -> None:
         merged = {**self.defaults, **param_group}
@@ -146,10 +150,13 @@ class _PositiveNegativeMomentum(Optimizer):
             _validate_group(group, self._adaptive, f"param_groups[{gi}]")
             batches = {}
             for pi, p in enumerate(group["params"]):
-                if p.grad is None:
+                grad = p.grad
+                if grad is None:
                     continue
-                _check_param(p, gi, pi)
                 key = (p.device, p.dtype)
+                if (grad.layout != torch.strided or p.layout != torch.strided
+                        or (grad.device, grad.dtype) != key or grad.shape != p.shape):
+                    _check_param(p, gi, pi)  # raises, naming the parameter
                 if key not in batches:
                     real = p.real.dtype if p.is_complex() else p.dtype
                     try:
@@ -163,9 +170,33 @@ class _PositiveNegativeMomentum(Optimizer):
         return plan
 
     def _batch(self, group, backend, params):
-        """Creates missing state, then the kernel-ready tensor lists. Returns the batch and
-        the (param, dense copy) pairs to write back after the step."""
+        """The kernel-ready tensor lists for a batch, and the (param, dense copy) pairs to
+        write back after the step. The lists of parameters, buffers and counters are cached
+        while the parameters with gradients and the state stay the same; only the gradients
+        are gathered anew each step."""
         names = self._buffers_needed(group)
+        key = (id(group), backend, names, tuple(map(id, params)))
+        cache = self.__dict__.setdefault("_batch_cache", {})
+        hit = cache.get(key)
+        if hit is not None and hit[0] == self._state_version():
+            grads = [p.grad for p in params]
+            if all(g.is_contiguous() for g in grads):
+                cached = hit[1]
+                return Batch(cached.params, grads, cached.buffers, cached.steps), []
+        batch, writebacks = self._build_batch(group, backend, params, names)
+        simple = not writebacks and all(
+            not p.is_complex() and p.is_contiguous() for p in params)
+        if simple and backend in _backends.FLAT_BACKENDS:
+            if len(cache) > 64:
+                cache.clear()
+            cache[key] = (self._state_version(), batch)
+        return batch, writebacks
+
+    def _state_version(self):
+        """Changes whenever state entries may have been created or replaced."""
+        return (self.__dict__.get("_state_epoch", 0), len(self.state))
+
+    def _build_batch(self, group, backend, params, names):
         flat = backend in _backends.FLAT_BACKENDS
         batch = Batch(buffers=[[] for _ in names])
         writebacks = []
