@@ -361,6 +361,23 @@ struct EmulatedCuda {
   }
 };
 
+// The optimizer's per-step gradient check for a batch, without a Python loop.
+int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads) {
+  TORCH_CHECK(params.size() == grads.size(), "pnm_kernels: ", grads.size(), " grads for ",
+              params.size(), " params");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    if (!g.defined() || g.layout() != at::kStrided || p.layout() != at::kStrided ||
+        p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
+        g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
+        !g.sizes().equals(p.sizes())) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
 void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_blocks) {
   TORCH_CHECK(chunk_size >= 0 && chunk_size % 8 == 0,
               "pnm_kernels: chunk_size must be a non-negative multiple of 8, got ", chunk_size);
@@ -394,6 +411,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def(ADAPNM_STEP_SCHEMA("emulated_cuda_adapnm_step_"));
   m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks) -> ()",
         &pnm::set_launch_limits);
+  m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads) -> int",
+        &pnm::first_mismatched_grad);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {

@@ -127,6 +127,17 @@ def run_triton(adaptive, batch, hp, grad_scale, found_inf):
     triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)
 
 
+def _native_first_mismatched_grad():
+    """C++ check of a batch: index of the first gradient that is not a dense tensor of its
+    parameter's shape, dtype and device (or whose parameter left the batch's device/dtype),
+    else -1. None without the extension."""
+    if extension_error() is not None:
+        return None
+    return torch.ops.pnm_kernels._first_mismatched_grad
+
+
+first_mismatched_grad = _native_first_mismatched_grad()
+
 RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fused,
            "triton": run_triton}
 # Backends whose kernels need every tensor dense and laid out like its parameter.

@@ -144,30 +144,73 @@ class _PositiveNegativeMomentum(Optimizer):
         return self._buffer_names
 
     def _plan(self):
-        """Checks everything and decides the backend of every batch, touching nothing."""
+        """Checks everything and decides the backend of every batch, touching nothing.
+
+        The grouping of a param group's parameters into (device, dtype) batches is cached
+        while the same parameters have gradients; the gradients are still checked every
+        step (in C++ where the extension is built)."""
         plan = []
+        cache = self.__dict__.setdefault("_plan_cache", {})
         for gi, group in enumerate(self.param_groups):
             _validate_group(group, self._adaptive, f"param_groups[{gi}]")
-            batches = {}
-            for pi, p in enumerate(group["params"]):
-                grad = p.grad
-                if grad is None:
-                    continue
-                key = (p.device, p.dtype)
-                if (grad.layout != torch.strided or p.layout != torch.strided
-                        or (grad.device, grad.dtype) != key or grad.shape != p.shape):
-                    _check_param(p, gi, pi)  # raises, naming the parameter
-                if key not in batches:
-                    real = p.real.dtype if p.is_complex() else p.dtype
-                    try:
-                        backend = _backends.resolve_backend(group["backend"], p.device, real)
-                    except (RuntimeError, ValueError) as e:
-                        raise type(e)(f"{_describe(p, gi, pi)}: {e}") from None
-                    batches[key] = (backend, [])
-                batches[key][1].append(p)
-            for backend, params in batches.values():
-                plan.append((group, backend, params))
+            indices = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
+            if not indices:
+                continue
+            params = group["params"]
+            key = (id(group), group["backend"], tuple(map(id, (params[i] for i in indices))))
+            batches = cache.get(key)
+            if batches is None or not self._grads_still_fit(batches, params, gi):
+                batches = self._group_batches(group, gi, indices)
+                if len(cache) > 64:
+                    cache.clear()
+                cache[key] = batches
+            plan += [(group, backend, [params[i] for i in idx]) for backend, idx, _ in batches]
         return plan
+
+    @staticmethod
+    def _group_batches(group, gi, indices):
+        """[(backend, parameter indices, plain tensors?)] per (device, dtype); raises on the
+        first bad parameter or gradient, naming it."""
+        batches = {}
+        for pi in indices:
+            p = group["params"][pi]
+            grad = p.grad
+            key = (p.device, p.dtype)
+            if (grad.layout != torch.strided or p.layout != torch.strided
+                    or (grad.device, grad.dtype) != key or grad.shape != p.shape):
+                _check_param(p, gi, pi)  # raises, naming the parameter
+            if key not in batches:
+                real = p.real.dtype if p.is_complex() else p.dtype
+                try:
+                    backend = _backends.resolve_backend(group["backend"], p.device, real)
+                except (RuntimeError, ValueError) as e:
+                    raise type(e)(f"{_describe(p, gi, pi)}: {e}") from None
+                batches[key] = (backend, [], [True])
+            batches[key][1].append(pi)
+            if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(grad) is not torch.Tensor:
+                batches[key][2][0] = False  # tensor subclasses (DTensor) stay out of the C++ check
+        return [(backend, idx, plain[0]) for backend, idx, plain in batches.values()]
+
+    @staticmethod
+    def _grads_still_fit(batches, params, gi):
+        """Every gradient of a cached grouping still matches its parameter and batch."""
+        check = _backends.first_mismatched_grad
+        for _, idx, plain in batches:
+            batch = [params[i] for i in idx]
+            if check is not None and plain:
+                bad = check(batch, [p.grad for p in batch])
+                if bad < 0:
+                    continue
+                candidates = [idx[bad]]
+            else:
+                candidates = idx
+            for pi in candidates:
+                p = params[pi]
+                _check_param(p, gi, pi)  # raises when the gradient is at fault
+                first = params[idx[0]]
+                if (p.device, p.dtype) != (first.device, first.dtype):
+                    return False  # the parameter itself changed: regroup
+        return True
 
     def _batch(self, group, backend, params):
         """The kernel-ready tensor lists for a batch, and the (param, dense copy) pairs to
