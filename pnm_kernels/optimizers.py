@@ -90,6 +90,17 @@ def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place."""
+    return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
+
+
+try:
+    from torch.distributed.tensor import DTensor as _DTensor
+except ImportError:  # torch built without distributed
+    _DTensor = None
+
+
 def _normalise_loaded_state(optimizer) -> None:
     """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
     another device becomes a float32 tensor on its parameter's device."""
@@ -228,7 +239,8 @@ class _PositiveNegativeMomentum(Optimizer):
                 return Batch(cached.params, grads, cached.buffers, cached.steps), []
         batch, writebacks = self._build_batch(group, backend, params, names)
         simple = not writebacks and all(
-            not p.is_complex() and p.is_contiguous() for p in params)
+            type(p) in (torch.Tensor, torch.nn.Parameter) and not p.is_complex()
+            and p.is_contiguous() for p in params)
         if simple and backend in _backends.FLAT_BACKENDS:
             if len(cache) > 64:
                 cache.clear()
@@ -253,8 +265,8 @@ class _PositiveNegativeMomentum(Optimizer):
             for name in names:
                 if name not in state:  # e.g. amsgrad switched on mid-run
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-            param, grad = p, p.grad
-            bufs = [state[name] for name in names]
+            param, grad = _local(p), _local(p.grad)
+            bufs = [_local(state[name]) for name in names]
             if p.is_complex():
                 param, grad = torch.view_as_real(param), torch.view_as_real(grad)
                 bufs = [torch.view_as_real(b) for b in bufs]

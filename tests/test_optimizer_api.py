@@ -360,3 +360,28 @@ def test_fused_on_a_device_without_kernels_says_why():
     p.grad = torch.zeros(3, device="meta")
     with pytest.raises(RuntimeError, match="meta"):
         opt.step()
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_clipping_set_to_none_false_and_freezing_mid_training(path, name):
+    """clip_grad_norm_ before the step, zero_grad(set_to_none=False), and a parameter frozen
+    half-way (no gradient: no step, state kept) behave as with the reference."""
+    runs = []
+    for backend in (path, "reference"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).to(DEVICE)
+        opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, backend=backend)
+        x, y = torch.randn(16, 6, device=DEVICE), torch.randn(16, 2, device=DEVICE)
+        for t in range(8):
+            if t == 4:
+                model[0].weight.requires_grad_(False)
+                model[0].weight.grad = None
+            opt.zero_grad(set_to_none=False)
+            torch.nn.functional.mse_loss(model(x), y).backward()
+            torch.nn.utils.clip_grad_norm_(model.parameters(), max_norm=0.1)
+            opt.step()
+        runs.append((model, opt))
+    (m, o), (rm, ro) = runs
+    assert o.state[m[0].weight]["step"].item() == 4 and o.state[m[2].weight]["step"].item() == 8
+    assert_states_close(o, list(m.parameters()), ro, list(rm.parameters()))

@@ -1,0 +1,137 @@
+"""DDP and FSDP2 (DTensor parameters) with 2 ranks over gloo on the CPU: training matches
+single-process training, the optimizer updates local shards without gathering, and
+torch.distributed.checkpoint saves and restores PNM/AdaPNM state so training resumes exactly."""
+import os
+import sys
+import tempfile
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+from pnm_kernels import PNM, AdaPNM
+
+pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
+
+WORLD = 2
+STEPS = 4
+OPTIMIZERS = {"PNM": PNM, "AdaPNM": AdaPNM}
+
+
+def _data():
+    gen = torch.Generator().manual_seed(1)
+    return torch.randn(STEPS, 8, 16, generator=gen), torch.randn(STEPS, 8, 4, generator=gen)
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+
+
+def _make_opt(name, params):
+    return OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend="fused"
+                            if "fused" in __import__("pnm_kernels").available_backends("cpu")
+                            else "foreach")
+
+
+def _train(model, opt, xs, ys, steps, rank=None):
+    for t in steps:
+        x, y = xs[t], ys[t]
+        if rank is not None:  # each rank takes its half of the batch
+            x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(x), y).backward()
+        opt.step()
+
+
+def _single_process(name):
+    model = _model()
+    opt = _make_opt(name, model.parameters())
+    _train(model, opt, *_data(), range(STEPS))
+    return [p.detach() for p in model.parameters()]
+
+
+def _free_port():
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _worker(rank, mode, name, workdir, port):
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    try:
+        xs, ys = _data()
+        model = _model()
+        if mode == "ddp":
+            model = torch.nn.parallel.DistributedDataParallel(model)
+            opt = _make_opt(name, model.parameters())
+            _train(model, opt, xs, ys, range(STEPS), rank)
+            full = [p.detach() for p in model.parameters()]
+        else:
+            from torch.distributed.fsdp import fully_shard
+            for layer in model:
+                if isinstance(layer, torch.nn.Linear):
+                    fully_shard(layer)
+            fully_shard(model)
+            opt = _make_opt(name, model.parameters())
+            half = STEPS // 2
+            _train(model, opt, xs, ys, range(half), rank)
+            shard = next(model.parameters())
+            state = opt.state[shard]
+            # the optimizer state is sharded like its parameter: local shards only
+            assert type(state["exp_avg" if name == "AdaPNM" else "pos_momentum"]).__name__ == "DTensor"
+            assert state["step"].item() == half
+            if mode == "fsdp-dcp":
+                model, opt = _checkpoint_round_trip(model, opt, name, workdir)
+            _train(model, opt, xs, ys, range(half, STEPS), rank)
+            full = [p.full_tensor().detach() for p in model.parameters()]
+        torch.save(full, os.path.join(workdir, f"rank{rank}.pt"))
+        dist.barrier()  # no rank tears down while another is still in a collective
+    finally:
+        dist.destroy_process_group()
+    # Seen here about once in ten runs under pytest: after both ranks saved their results and
+    # destroyed the process group, a child aborts in interpreter teardown ("terminate called
+    # without an active exception": a std::thread still joinable in a static destructor of
+    # torch's distributed runtime). The work is done and saved by then; skip the teardown.
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _checkpoint_round_trip(model, opt, name, workdir):
+    """Save model and optimizer with DCP, then continue in a fresh model and optimizer."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+    from torch.distributed.fsdp import fully_shard
+
+    model_sd, optim_sd = get_state_dict(model, opt)
+    dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{workdir}/ckpt")
+    fresh = _model()
+    for layer in fresh:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer)
+    fully_shard(fresh)
+    fresh_opt = _make_opt(name, fresh.parameters())
+    model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    dcp.load(loaded, checkpoint_id=f"{workdir}/ckpt")
+    set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"],
+                   optim_state_dict=loaded["optim"])
+    p = next(fresh.parameters())
+    assert fresh_opt.state[p]["step"].item() == STEPS // 2
+    return fresh, fresh_opt
+
+
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-dcp"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_two_ranks_match_single_process_training(mode, name):
+    expected = _single_process(name)
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_worker, args=(mode, name, workdir, _free_port()), nprocs=WORLD, join=True)
+        for rank in range(WORLD):
+            got = torch.load(os.path.join(workdir, f"rank{rank}.pt"))
+            for p, q in zip(got, expected):
+                torch.testing.assert_close(p, q)
