@@ -29,3 +29,14 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
 def test_unknown_set_is_refused():
     with pytest.raises(SystemExit):
         bench_step.main(["--sets", "nonsense", "--device", "cpu"])
+
+
+def test_noisy_labels_example_runs(tmp_path):
+    pytest.importorskip("sklearn")
+    import noisy_labels
+
+    results = noisy_labels.main(["--seeds", "1", "--epochs", "2", "--out", str(tmp_path)])
+    assert set(results) == {"SGD", "SGD-slow", "PNM"}
+    for curves in results.values():
+        assert len(curves[0]["test"]) == 2 and 0 <= curves[0]["memorised"][-1] <= 1
+    assert (tmp_path / "noisy_labels.png").read_bytes()[:4] == b"\x89PNG"
