@@ -41,6 +41,30 @@ def gpt2_124m_shapes():
     return transformer_shapes(d=768, layers=12, vocab=50257)
 
 
+def resnet50_shapes():
+    """torchvision's ResNet-50: 25.6M parameters in 161 tensors (conv weights, BN, fc)."""
+    shapes = [(64, 3, 7, 7), (64,), (64,)]
+    in_ch = 64
+    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
+        for b in range(blocks):
+            shapes += [(width, in_ch, 1, 1), (width,), (width,),
+                       (width, width, 3, 3), (width,), (width,),
+                       (4 * width, width, 1, 1), (4 * width,), (4 * width,)]
+            if b == 0:
+                shapes += [(4 * width, in_ch, 1, 1), (4 * width,), (4 * width,)]
+            in_ch = 4 * width
+    return shapes + [(1000, 2048), (1000,)]
+
+
+def llama_1b_shapes():
+    """A Llama-3.2-1B-style decoder: 1.24B parameters in 146 tensors (tied embeddings)."""
+    d, layers, ff, kv, vocab = 2048, 16, 8192, 512, 128256
+    shapes = [(vocab, d)]
+    for _ in range(layers):
+        shapes += [(d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (ff, d), (ff, d), (d, ff)]
+    return shapes + [(d,)]
+
+
 def small_tensors_shapes(n=2000):
     """2,000 small tensors (biases, norms, adapters): where launch and host overheads show."""
     return [((i * 37) % 1500 + 64,) for i in range(n)]
@@ -50,11 +74,13 @@ SETS = {
     "transformer": transformer_shapes,
     "small2000": small_tensors_shapes,
     "gpt2-124m": gpt2_124m_shapes,
+    "resnet50": resnet50_shapes,
+    "llama-1b": llama_1b_shapes,
     **{f"flat{n}M": (lambda n=n: [(n << 20,)]) for n in (1, 4, 16, 64, 256, 1024)},
 }
-DEFAULT_SETS = {"cpu": ["small2000", "transformer", "flat1M", "flat16M"],
-                "cuda": ["small2000", "transformer", "gpt2-124m", "flat1M", "flat16M",
-                         "flat64M", "flat256M", "flat1024M"]}
+DEFAULT_SETS = {"cpu": ["small2000", "resnet50", "transformer", "flat1M", "flat16M", "flat64M"],
+                "cuda": ["small2000", "resnet50", "transformer", "gpt2-124m", "llama-1b",
+                         "flat1M", "flat4M", "flat16M", "flat64M", "flat256M", "flat1024M"]}
 QUICK_SETS = {"cpu": ["small2000", "transformer"], "cuda": ["small2000", "transformer", "flat64M"]}
 
 
@@ -68,6 +94,19 @@ def contenders(device):
                     lambda ps, b=backend: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b)))
         out.append((f"AdaPNM[{backend}]", "AdaPNM",
                     lambda ps, b=backend: AdaPNM(ps, lr=1e-3, amsgrad=True, backend=b)))
+    # What a user might write instead of a fused kernel: the eager reference, compiled.
+    out.append(("PNM[reference+torch.compile]", "PNM", lambda ps: _compiled(
+        PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend="reference"))))
+    out.append(("AdaPNM[reference+torch.compile]", "AdaPNM", lambda ps: _compiled(
+        AdaPNM(ps, lr=1e-3, amsgrad=True, backend="reference"))))
+    try:  # an optional peer, never a dependency
+        import pytorch_optimizer
+        out.append(("pytorch_optimizer.PNM", "PNM",
+                    lambda ps: pytorch_optimizer.PNM(ps, lr=1e-3, betas=(0.9, 1.0))))
+        out.append(("pytorch_optimizer.AdaPNM", "AdaPNM",
+                    lambda ps: pytorch_optimizer.AdaPNM(ps, lr=1e-3, amsgrad=True)))
+    except ImportError:
+        pass
     for impl in ("foreach", "fused"):
         flag = {impl: True}
         out.append((f"torch.SGD-momentum[{impl}]", "SGD-momentum",
@@ -80,6 +119,12 @@ def contenders(device):
     return out
 
 
+def _compiled(opt):
+    """The optimizer with its step wrapped in torch.compile (compiled during warm-up)."""
+    opt.step = torch.compile(opt.step)
+    return opt
+
+
 def synchronize(device):
     if device == "cuda":
         torch.cuda.synchronize()
@@ -88,7 +133,7 @@ def synchronize(device):
 def copy_bandwidth(device, numel, repeats=10):
     """Measured read+write bandwidth of a large device-to-device copy, in GB/s."""
     src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.empty_like(src)
+    dst = torch.zeros_like(src)  # touched: no page faults inside the timed copies
     times = []
     for _ in range(repeats + 2):
         synchronize(device)
@@ -105,8 +150,8 @@ class Progress:
     def __init__(self, total):
         self.total, self.done, self.start = total, 0, time.time()
 
-    def advance(self, label):
-        self.done += 1
+    def advance(self, label, count=1):
+        self.done += count
         width = 30
         filled = int(width * self.done / self.total)
         sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
@@ -116,13 +161,32 @@ class Progress:
             sys.stderr.write("\n")
 
 
-def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress):
+def fits_in_memory(family_bytes, numel, dtype, device):
+    """Parameters, gradients and the largest optimizer state, with room to spare."""
+    need = numel * torch.tensor([], dtype=dtype).element_size() * family_bytes / 4 * 1.5
+    if device == "cuda":
+        return need < torch.cuda.mem_get_info()[0]
+    try:
+        with open("/proc/meminfo") as f:
+            avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable"))
+    except (OSError, StopIteration):
+        return True
+    return need < avail
+
+
+def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress, quick=False):
     entries = contenders(device)
     numel = sum(torch.Size(s).numel() for s in shapes)
     runs = []
+    if not fits_in_memory(12, numel, dtype, device):  # p, g, m, m_other, v, v_max (+ copies)
+        progress.advance(f"{name}: skipped (memory)", rounds)
+        return [dict(set=name, label="(all)", family="-", numel=numel, tensors=len(shapes),
+                     error="skipped: does not fit in this device's memory")]
     for label, family, factory in entries:
         if label.endswith("[reference]") and numel > (64 << 20):
             continue  # the eager per-parameter loop at this size only measures the host
+        if "torch.compile" in label and (len(shapes) > 200 or quick):
+            continue  # compiling a step over thousands of tensors takes minutes
         params = [torch.zeros(s, device=device, dtype=dtype).normal_().requires_grad_()
                   for s in shapes]
         for p in params:
@@ -204,15 +268,17 @@ def write_table(results, copy_gbps, info):
     lines = [f"Device: {info.get('gpu') or info['cpu']} ({info['device']}, {info['threads']} threads), "
              f"torch {info['torch']}, triton {info['triton']}; copy bandwidth {copy_gbps:.1f} GB/s",
              "", "| set | optimizer | ms/step | eff. GB/s | % of copy BW | vs reference | "
-             "time vs torch fused | GB/s vs torch fused |", "|---|---|---|---|---|---|---|---|"]
+             "time vs torch fused | GB/s vs torch fused | state MiB |",
+             "|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['set']} | {r['label']} | unavailable: {r['error'][:60]} |||||| ")
+            lines.append(f"| {r['set']} | {r['label']} | {r['error'][:70]} |||||||")
             continue
         lines.append(f"| {r['set']} | {r['label']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
                      f"{100 * r['gbps'] / copy_gbps:.0f}% | {fmt(r, 'speedup_vs_reference', '%.1fx')} | "
-                     f"{fmt(r, 'time_vs_torch_fused', '%.2f')} | {fmt(r, 'gbps_vs_torch_fused', '%.2f')} |")
+                     f"{fmt(r, 'time_vs_torch_fused', '%.2f')} | {fmt(r, 'gbps_vs_torch_fused', '%.2f')} | "
+                     f"{r['state_bytes'] / 2**20:.0f} |")
     return "\n".join(lines)
 
 
@@ -259,11 +325,13 @@ def main(argv=None):
     rounds = args.rounds or (3 if args.quick else 7)
     steps_per_round = 2 if args.quick else 5
     info = machine_info(device, args)
-    copy_gbps = copy_bandwidth(device, (16 << 20) if device == "cpu" or args.quick else (256 << 20))
+    copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
+                               else (256 << 20))
     progress = Progress(rounds * len(names))
     results = []
     for name in names:
-        results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round, progress)
+        results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round, progress,
+                             quick=args.quick)
     table = write_table(results, copy_gbps, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)

@@ -40,3 +40,16 @@ def test_noisy_labels_example_runs(tmp_path):
     for curves in results.values():
         assert len(curves[0]["test"]) == 2 and 0 <= curves[0]["memorised"][-1] <= 1
     assert (tmp_path / "noisy_labels.png").read_bytes()[:4] == b"\x89PNG"
+
+
+def test_gpt_fsdp2_example_runs_on_cpu(monkeypatch):
+    """World size 1 over gloo, bf16 autocast, FSDP2; compile is exercised in test_compile."""
+    import gpt_fsdp2
+
+    monkeypatch.setenv("MASTER_PORT", str(29600 + os.getpid() % 1000))
+    results = gpt_fsdp2.main(["--steps", "2", "--warmup", "1", "--layers", "1", "--dim", "32",
+                              "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+                              "--no-compile"])
+    assert set(results) == {"AdamW[fused]", "AdaPNM"}
+    for tokens_per_s, loss in results.values():
+        assert tokens_per_s > 0 and loss == loss
