@@ -162,8 +162,14 @@ class _PositiveNegativeMomentum(Optimizer):
         step (in C++ where the extension is built)."""
         plan = []
         cache = self.__dict__.setdefault("_plan_cache", {})
+        validated = self.__dict__.setdefault("_validated", {})
         for gi, group in enumerate(self.param_groups):
-            _validate_group(group, self._adaptive, f"param_groups[{gi}]")
+            # Re-validate only when a hyper-parameter changed (a scheduler, a user's edit).
+            signature = tuple(v if k != "lr" or not isinstance(v, torch.Tensor) else
+                              (id(v), v._version) for k, v in group.items() if k != "params")
+            if validated.get(id(group)) != signature:
+                _validate_group(group, self._adaptive, f"param_groups[{gi}]")
+                validated[id(group)] = signature
             indices = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
             if not indices:
                 continue
