@@ -378,6 +378,30 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads) {
   return -1;
 }
 
+// Test hook: the launch plan for tensors of these sizes, as (table, tensor, chunk) triples,
+// one per block. No memory is touched, so sizes beyond 2^31 elements can be planned here.
+std::vector<int64_t> launch_plan(at::IntArrayRef numels) {
+  constexpr int kLists = 4;
+  const int n = static_cast<int>(numels.size());
+  std::vector<void*> ptrs(static_cast<size_t>(n) * kLists);
+  for (int i = 0; i < n; ++i) {  // stand-in addresses that name the tensor
+    for (int l = 0; l < kLists; ++l) ptrs[i * kLists + l] = reinterpret_cast<void*>((i + 1) * 64);
+  }
+  std::vector<float*> steps(n, nullptr);
+  const auto tables = plan_launches<kLists>(n, ptrs.data(), steps.data(), numels.data(),
+                                            launch_limits());
+  std::vector<int64_t> out;
+  for (size_t t = 0; t < tables.size(); ++t) {
+    for (int b = 0; b < tables[t].num_blocks; ++b) {
+      const int slot = tables[t].block_tensor[b];
+      out.push_back(static_cast<int64_t>(t));
+      out.push_back(reinterpret_cast<intptr_t>(tables[t].ptrs[0][slot]) / 64 - 1);
+      out.push_back(tables[t].block_chunk[b]);
+    }
+  }
+  return out;
+}
+
 void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_blocks) {
   TORCH_CHECK(chunk_size >= 0 && chunk_size % 8 == 0,
               "pnm_kernels: chunk_size must be a non-negative multiple of 8, got ", chunk_size);
@@ -413,6 +437,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
         &pnm::set_launch_limits);
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads) -> int",
         &pnm::first_mismatched_grad);
+  m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {

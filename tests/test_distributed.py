@@ -72,11 +72,7 @@ def _worker(rank, mode, name, workdir, port):
             _train(model, opt, xs, ys, range(STEPS), rank)
             full = [p.detach() for p in model.parameters()]
         else:
-            from torch.distributed.fsdp import fully_shard
-            for layer in model:
-                if isinstance(layer, torch.nn.Linear):
-                    fully_shard(layer)
-            fully_shard(model)
+            _shard(model, offload=mode == "fsdp-offload")
             opt = _make_opt(name, model.parameters())
             half = STEPS // 2
             _train(model, opt, xs, ys, range(half), rank)
@@ -101,19 +97,27 @@ def _worker(rank, mode, name, workdir, port):
     os._exit(0)
 
 
+def _shard(model, offload=False):
+    """FSDP2 per Linear layer and at the root; with offload, the sharded parameters, their
+    gradients and the optimizer step live on the CPU (ZeRO-Offload style: the step runs in
+    the fused CPU kernel). Pinned memory needs a GPU driver, so it is off here."""
+    from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
+
+    policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    for layer in model:
+        if isinstance(layer, torch.nn.Linear):
+            fully_shard(layer, **policy)
+    fully_shard(model, **policy)
+
+
 def _checkpoint_round_trip(model, opt, name, workdir):
     """Save model and optimizer with DCP, then continue in a fresh model and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
-    from torch.distributed.fsdp import fully_shard
-
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{workdir}/ckpt")
     fresh = _model()
-    for layer in fresh:
-        if isinstance(layer, torch.nn.Linear):
-            fully_shard(layer)
-    fully_shard(fresh)
+    _shard(fresh)
     fresh_opt = _make_opt(name, fresh.parameters())
     model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
     loaded = {"model": model_sd, "optim": optim_sd}
@@ -125,7 +129,7 @@ def _checkpoint_round_trip(model, opt, name, workdir):
     return fresh, fresh_opt
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-dcp"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-dcp", "fsdp-offload"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
     expected = _single_process(name)

@@ -143,3 +143,40 @@ def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(li
     for x, y in zip(flat(emulated), flat(fused)):
         assert torch.equal(x, y)
     assert state[id(emulated)][1][0].item() == 6
+
+
+def _plan(numels):
+    flat = torch.ops.pnm_kernels._launch_plan(numels)
+    return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
+
+
+@pytest.mark.parametrize("limits", [(0, 0, 0), (64, 3, 4), (1024, 2, 1)],
+                         ids=["defaults", "small-tables", "one-block-launches"])
+def test_launch_plan_covers_every_chunk_once_in_order(limits):
+    numels = [1, 0, 5000, 64, 65, 3, 200000, 7]
+    set_launch_limits(*limits)
+    try:
+        plan = _plan(numels)
+        chunk = limits[0] or 65536
+    finally:
+        set_launch_limits()
+    expected = [(i, c) for i, n in enumerate(numels) for c in range((n + chunk - 1) // chunk)]
+    assert [(t, c) for _, t, c in plan] == expected
+    tables = [table for table, _, _ in plan]
+    assert tables == sorted(tables)
+    for table in set(tables):
+        blocks = [b for b in plan if b[0] == table]
+        assert len(blocks) <= (limits[2] or 1280)
+        assert len({t for _, t, _ in blocks}) <= (limits[1] or 465)
+
+
+def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
+    """Chunk offsets are 64-bit: a 2^31 + 5 element tensor gets 32,769 chunks of 65,536, its
+    last one holding the 5 elements past 2^31, spread over launches of at most 1,280 blocks."""
+    plan = _plan([3, 2**31 + 5, 9])
+    big = [(table, c) for table, t, c in plan if t == 1]
+    assert [c for _, c in big] == list(range(32769))
+    assert big[-1][1] * 65536 == 2**31
+    # table 0 holds tensor 0's block and the first 1,279 chunks of tensor 1; 25 more follow
+    assert len({table for table, _ in big}) == 1 + -(-(32769 - 1279) // 1280) == 26
+    assert plan[-1][1:] == (2, 0)
