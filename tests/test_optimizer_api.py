@@ -299,9 +299,13 @@ def _bad_grad_cases():
     ]
 
 
+@pytest.mark.parametrize("native_check", [True, False], ids=["cpp-check", "python-check"])
 @pytest.mark.parametrize("case,grad,message", _bad_grad_cases(), ids=lambda x: x if isinstance(x, str) else "")
 @BOTH
-def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, message):
+def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, message,
+                                                              native_check, monkeypatch):
+    if not native_check:  # as without the compiled extension
+        monkeypatch.setattr(_backends, "first_mismatched_grad", None)
     good = make_params([(5,), (6,)])
     bad = torch.zeros(3, 2, requires_grad=True)
     opt = OPTIMIZERS[name]([{"params": good}, {"params": [bad], "lr": 0.1}])
@@ -385,3 +389,23 @@ def test_clipping_set_to_none_false_and_freezing_mid_training(path, name):
     (m, o), (rm, ro) = runs
     assert o.state[m[0].weight]["step"].item() == 4 and o.state[m[2].weight]["step"].item() == 8
     assert_states_close(o, list(m.parameters()), ro, list(rm.parameters()))
+
+
+@pytest.mark.parametrize("native_check", [True, False], ids=["cpp-check", "python-check"])
+@BOTH
+def test_bad_gradient_after_cached_steps_is_still_caught(name, native_check, monkeypatch):
+    """Once the grouping is cached, gradients are still checked every step."""
+    if not native_check:
+        monkeypatch.setattr(_backends, "first_mismatched_grad", None)
+    params = make_params([(5,), (3, 2), (7,)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 3)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[1].grad.data = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\].*does not match"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
