@@ -174,46 +174,76 @@ def fits_in_memory(family_bytes, numel, dtype, device):
     return need < avail
 
 
+def timed_steps(opt, device, steps):
+    """Seconds per step: CUDA events on a GPU, the wall clock on a CPU."""
+    if device == "cuda":
+        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        for _ in range(steps):
+            opt.step()
+        stop.record()
+        stop.synchronize()
+        return start.elapsed_time(stop) / 1e3 / steps
+    t0 = time.perf_counter()
+    for _ in range(steps):
+        opt.step()
+    return (time.perf_counter() - t0) / steps
+
+
 def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress, quick=False):
-    entries = contenders(device)
+    """Every contender on one parameter set. All contenders share the parameters and
+    gradients (their values do not change the work) and run interleaved, round by round,
+    when all their states fit in memory together; otherwise one after the other."""
     numel = sum(torch.Size(s).numel() for s in shapes)
-    runs = []
     if not fits_in_memory(12, numel, dtype, device):  # p, g, m, m_other, v, v_max (+ copies)
         progress.advance(f"{name}: skipped (memory)", rounds)
         return [dict(set=name, label="(all)", family="-", numel=numel, tensors=len(shapes),
                      error="skipped: does not fit in this device's memory")]
-    for label, family, factory in entries:
+    entries = []
+    for label, family, factory in contenders(device):
         if label.endswith("[reference]") and numel > (64 << 20):
             continue  # the eager per-parameter loop at this size only measures the host
         if "torch.compile" in label and (len(shapes) > 200 or quick):
             continue  # compiling a step over thousands of tensors takes minutes
-        params = [torch.zeros(s, device=device, dtype=dtype).normal_().requires_grad_()
-                  for s in shapes]
-        for p in params:
-            p.grad = torch.randn_like(p) * 1e-2
+        entries.append((label, family, factory))
+    # states of all contenders together: about 4 + 4 + 2 + 2 + 3 + 3 + 1 + 1 copies
+    interleaved = fits_in_memory(4 * 24, numel, dtype, device)
+    params = [torch.zeros(s, device=device, dtype=dtype).normal_().requires_grad_()
+              for s in shapes]
+    for p in params:
+        p.grad = torch.randn_like(p) * 1e-2
+
+    def start(label, family, factory):
         try:
             opt = factory(params)
             for _ in range(3):  # warm-up: state allocation, compilation, caches
                 opt.step()
             synchronize(device)
         except Exception as e:  # noqa: BLE001  (a contender that cannot run here is reported)
-            runs.append(dict(label=label, family=family, error=f"{type(e).__name__}: {e}"))
-            continue
-        runs.append(dict(label=label, family=family, opt=opt, times=[],
-                         state_bytes=sum(t.numel() * t.element_size()
-                                         for st in opt.state.values() for t in st.values()
-                                         if torch.is_tensor(t))))
-    for _ in range(rounds):  # interleaved: every contender once per round
-        for run in runs:
-            if "opt" not in run:
-                continue
-            synchronize(device)
-            t0 = time.perf_counter()
-            for _ in range(steps_per_round):
-                run["opt"].step()
-            synchronize(device)
-            run["times"].append((time.perf_counter() - t0) / steps_per_round)
-        progress.advance(name)
+            return dict(label=label, family=family, error=f"{type(e).__name__}: {e}")
+        return dict(label=label, family=family, opt=opt, times=[], interleaved=interleaved,
+                    state_bytes=sum(t.numel() * t.element_size() for st in opt.state.values()
+                                    for t in st.values() if torch.is_tensor(t)))
+
+    runs = []
+    if interleaved:
+        runs = [start(*entry) for entry in entries]
+        for _ in range(rounds):  # every contender once per round
+            for run in runs:
+                if "opt" in run:
+                    run["times"].append(timed_steps(run["opt"], device, steps_per_round))
+            progress.advance(name)
+    else:
+        for i, entry in enumerate(entries):
+            run = start(*entry)
+            if "opt" in run:
+                run["times"] = [timed_steps(run["opt"], device, steps_per_round)
+                                for _ in range(rounds)]
+                del run["opt"]  # free its state before the next contender
+                if device == "cuda":
+                    torch.cuda.empty_cache()
+            runs.append(run)
+        progress.advance(name, rounds)
     results = []
     scale = torch.tensor([], dtype=dtype).element_size() / 4
     for run in runs:
