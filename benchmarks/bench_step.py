@@ -319,14 +319,28 @@ def plot(results, copy_gbps, info, path):
 
     fig, ax = plt.subplots(figsize=(9, 5.5))
     labels = sorted({r["label"] for r in results if "gbps" in r})
-    for label in labels:
-        pts = sorted((r["numel"], r["gbps"]) for r in results if r["label"] == label and "gbps" in r)
-        style = "-o" if label.startswith(("PNM", "AdaPNM")) else "--s"
-        ax.plot([p[0] for p in pts], [p[1] for p in pts], style, label=label, markersize=4)
+    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
+    markers = "os^vD<>ph*"
+    for i, label in enumerate(labels):
+        ours = label.startswith(("PNM", "AdaPNM"))
+        kw = dict(color=colors[i % len(colors)], marker=markers[i // len(colors) % len(markers)])
+        rows = [r for r in results if r["label"] == label and "gbps" in r]
+        flat = sorted((r["numel"], r["gbps"]) for r in rows if r["set"].startswith("flat"))
+        if flat:  # flat tensors of growing size: a line
+            ax.plot([p[0] for p in flat], [p[1] for p in flat], "-" if ours else "--",
+                    label=label, markersize=4, **kw)
+        model = [r for r in rows if not r["set"].startswith("flat")]
+        ax.scatter([r["numel"] for r in model], [r["gbps"] for r in model], s=28,
+                   label=None if flat else label, **kw)
+    for name in sorted({r["set"] for r in results if not r["set"].startswith("flat")}):
+        xs = [r["numel"] for r in results if r["set"] == name]
+        if xs:
+            ax.annotate(name, (xs[0], 0), textcoords="offset points", xytext=(0, 4),
+                        fontsize=7, rotation=90, color="gray")
     ax.axhline(copy_gbps, color="black", linestyle=":", label=f"copy bandwidth {copy_gbps:.0f} GB/s")
     ax.set_xscale("log")
     ax.set_xlabel("parameters (elements)")
-    ax.set_ylabel("effective GB/s")
+    ax.set_ylabel("effective GB/s (lines: flat tensors; points: model-shaped sets)")
     ax.set_title(f"Optimizer step throughput on {info.get('gpu') or info['cpu']}", fontsize=10)
     ax.legend(fontsize=7, ncol=2)
     ax.grid(alpha=0.3)
