@@ -5,7 +5,8 @@ import copy
 import pytest
 import torch
 
-from conftest import FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, make_params, train
+from conftest import (FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
+                      make_params, train)
 
 PATHS = FAST_PATHS + ["reference"]
 
@@ -19,7 +20,6 @@ def test_grad_scale_is_unscaled_in_the_step(path, name):
     ref = OPTIMIZERS[name](plain, lr=1e-2, backend="reference")
     for t in range(5):
         train(ref, plain, 1, start=t)
-        from conftest import grads_for_step
         for p, g in zip(params, grads_for_step(params, t)):
             p.grad = g * 1024
         opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)

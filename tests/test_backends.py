@@ -16,7 +16,7 @@ SHAPES = {"large": [(1,), (3,), (4,), (), (0,), (7, 9), (4097,), (65537,), (33, 
 STEPS = 50
 
 
-def shapes_for(backend, monkeypatch_env_triton=False):
+def shapes_for(backend):
     return SHAPES["small"] if backend == "triton" else SHAPES["large"]
 
 

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
-                      make_params, train)
+                      grads_for_step, make_params, train)
 from pnm_kernels import PNM, AdaPNM, available_backends
 from pnm_kernels import _backends
 from pnm_kernels.reference import noise_norm
@@ -47,7 +47,6 @@ def test_pnm_with_momentum_b0_is_ema_momentum_sgd(path):
     buffers = [torch.zeros_like(p) for p in sgd_params]
     opt = PNM(params, lr=lr, betas=(b1, b0), backend=path)
     train(opt, params, 60)
-    from conftest import grads_for_step
     for t in range(60):
         for p, m, g in zip(sgd_params, buffers, grads_for_step(sgd_params, t)):
             m.mul_(b1).add_(g, alpha=1 - b1)
@@ -291,7 +290,6 @@ def test_invalid_value_set_after_construction_raises_at_step_before_any_change(n
 
 
 def _bad_grad_cases():
-    p = torch.zeros(3, 2)
     return [
         ("sparse", torch.zeros(3, 2).to_sparse(), "sparse"),
         ("shape", torch.zeros(2, 3), "does not match"),
