@@ -5,7 +5,7 @@ import copy
 import pytest
 import torch
 
-from conftest import (FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
+from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
                       make_params, train)
 
 PATHS = FAST_PATHS + ["reference"]
@@ -46,18 +46,19 @@ def test_found_inf_changes_nothing(path, name):
             assert torch.equal(opt.state_dict()["state"][k][key], value), key
 
 
-@pytest.mark.parametrize("path", ["fused", "reference"], indirect=True)
+@pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "foreach"] + ["reference"],
+                         indirect=True)
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_grad_scaler_end_to_end_with_an_injected_inf(path, name):
     torch.manual_seed(0)
-    model = torch.nn.Linear(8, 4)
+    model = torch.nn.Linear(8, 4).to(DEVICE)
     opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, backend=path)
     assert opt._step_supports_amp_scaling
-    scaler = torch.amp.GradScaler("cpu", init_scale=256.0)
-    x = torch.randn(16, 8)
+    scaler = torch.amp.GradScaler(DEVICE, init_scale=256.0)
+    x = torch.randn(16, 8, device=DEVICE)
     for it in range(4):
         opt.zero_grad()
-        with torch.autocast("cpu", dtype=torch.bfloat16):
+        with torch.autocast(DEVICE, dtype=torch.bfloat16):
             loss = model(x).float().pow(2).mean()
         scaler.scale(loss).backward()
         if it == 2:
