@@ -204,7 +204,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress, qu
         if label.endswith("[reference]") and numel > (64 << 20):
             continue  # the eager per-parameter loop at this size only measures the host
         if "torch.compile" in label and (len(shapes) > 200 or quick):
-            continue  # compiling a step over thousands of tensors takes minutes
+            continue  # compiling a step over thousands of tensors takes minutes; --quick skips it
         entries.append((label, family, factory))
     # states of all contenders together: about 4 + 4 + 2 + 2 + 3 + 3 + 1 + 1 copies
     interleaved = fits_in_memory(4 * 24, numel, dtype, device)
@@ -358,6 +358,8 @@ def main(argv=None):
     parser.add_argument("--sets", help=f"comma-separated, from {', '.join(SETS)}")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--rounds", type=int, help="timed rounds per contender")
+    parser.add_argument("--no-compiled-reference", action="store_true",
+                        help="leave out the torch.compile'd reference (its compile takes minutes)")
     args = parser.parse_args(argv)
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda" and not torch.cuda.is_available():
@@ -375,7 +377,7 @@ def main(argv=None):
     results = []
     for name in names:
         results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round, progress,
-                             quick=args.quick)
+                             quick=args.quick or args.no_compiled_reference)
     table = write_table(results, copy_gbps, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)
