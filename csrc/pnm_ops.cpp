@@ -339,27 +339,27 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   }
 }
 
-struct CpuFused {
+// The two CPU implementations of the ops: the fused CPU kernel, and the CUDA kernels' code
+// emulated on the host.
+template <bool kEmulateCuda>
+struct CpuImpl {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) {
     if (call.size() == 0) return;
     const StepArgs args = make_step_args(call);
     dispatch_step(call, [&](auto t, auto a) {
-      run_cpu_fused<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+      using T = typename decltype(t)::type;
+      using Algo = typename decltype(a)::type;
+      if constexpr (kEmulateCuda) {
+        run_emulated_cuda<T, Algo>(call, args);
+      } else {
+        run_cpu_fused<T, Algo>(call, args);
+      }
     });
   }
 };
-
-struct EmulatedCuda {
-  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
-  static void run(const StepCall& call) {
-    if (call.size() == 0) return;
-    const StepArgs args = make_step_args(call);
-    dispatch_step(call, [&](auto t, auto a) {
-      run_emulated_cuda<typename decltype(t)::type, typename decltype(a)::type>(call, args);
-    });
-  }
-};
+using CpuFused = CpuImpl<false>;
+using EmulatedCuda = CpuImpl<true>;
 
 // The optimizer's per-step gradient check for a batch, without a Python loop.
 int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads) {

@@ -121,8 +121,7 @@ class _PositiveNegativeMomentum(Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults):
-        where = "defaults"
-        _validate_group(dict(defaults, params=[]), self._adaptive, where)
+        _validate_group(dict(defaults, params=[]), self._adaptive, "defaults")
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict) -> None:
@@ -263,11 +262,8 @@ class _PositiveNegativeMomentum(Optimizer):
         writebacks = []
         for p in params:
             state = self.state[p]
-            if "step" not in state:
+            if "step" not in state:  # loaded steps were made tensors by load_state_dict
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            elif not torch.is_tensor(state["step"]):
-                state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32,
-                                             device=p.device)
             for name in names:
                 if name not in state:  # e.g. amsgrad switched on mid-run
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)

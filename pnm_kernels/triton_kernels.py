@@ -10,7 +10,6 @@ the host. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is 
 them).
 """
 import math
-import os
 from collections import OrderedDict
 from dataclasses import dataclass
 
@@ -18,6 +17,7 @@ import torch
 import triton
 import triton.language as tl
 
+from ._backends import split_lr
 from .reference import noise_norm
 
 
@@ -184,8 +184,6 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     if not params:
         return
     device, dtype = params[0].device, params[0].dtype
-    if device.type == "cpu" and os.environ.get("TRITON_INTERPRET") != "1":
-        raise RuntimeError("Triton kernels take CPU tensors only under TRITON_INTERPRET=1")
     amsgrad = adaptive and hp["amsgrad"]
     lists = [params, batch.grads] + batch.buffers[: (4 if amsgrad else 3) if adaptive else 2]
     config = launch_config(device)
@@ -194,11 +192,9 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
         lists, batch.steps, device, chunk)
     n = len(params)
 
-    lr = hp["lr"]
-    lr_tensor = None
-    if isinstance(lr, torch.Tensor):
-        lr_tensor = lr.to(device=device, dtype=torch.float32)
-        lr = 0.0
+    lr, lr_tensor = split_lr(hp["lr"], device)
+    if lr_tensor is not None and lr_tensor.device != device:  # a CPU lr: read it, no sync
+        lr, lr_tensor = float(lr_tensor), None
     beta1, beta0 = hp["beta1"], hp["beta0"]
     beta2 = hp.get("beta2", 0.0)
     log = lambda b: math.log(b) if b > 0 else -math.inf  # noqa: E731
