@@ -6,7 +6,9 @@ tensor. The tables are cached under the tensors' addresses and sizes, so a train
 tensors stay put (static gradients, as under CUDA graphs) uploads nothing after its first step.
 Hyper-parameters are runtime arguments: a new lr never recompiles. Parity and bias corrections
 come from each tensor's own step counter, read in the kernel, so nothing synchronises with
-the host. Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how CI tests
+the host. Whole chunks of 16-byte-aligned tensors take an unmasked path with alignment hints:
+pointers read from a table carry no alignment, and without the hints Triton emits 4-byte
+loads (tests/test_triton_compiles.py checks the PTX for 128-bit loads). Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how CI tests
 them).
 """
 import math
@@ -33,6 +35,40 @@ def _store(ptr, x, mask, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
+def _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, mask, grad_factor, decay,
+            b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef, neg_coef, inv_noise_norm, eps,
+            weight_decay, neg_step_size, bc2_sqrt, DTYPE: tl.constexpr, ADAPTIVE: tl.constexpr,
+            AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, INTERPRETED: tl.constexpr):
+    """One block of elements (DESIGN.md §1); mask is None for a whole aligned block."""
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
+    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
+    m_other = tl.load(m_other_ptr + offs, mask=mask).to(tl.float32)
+    if DECOUPLED:
+        p = p * decay
+    else:
+        g = g + weight_decay * p
+    m = b1_sq * m + one_minus_b1_sq * g
+    pn_momentum = (pos_coef * m + neg_coef * m_other) * inv_noise_norm
+    if ADAPTIVE:
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        v = b2 * v + one_minus_b2 * (g * g)
+        second_moment = v
+        if AMSGRAD:
+            v_max = tl.load(v_max_ptr + offs, mask=mask).to(tl.float32)
+            v_max = tl.where((v_max != v_max) | (v_max > v), v_max, v)  # NaN-propagating
+            _store(v_max_ptr + offs, v_max, mask, DTYPE, INTERPRETED)
+            second_moment = v_max
+        _store(v_ptr + offs, v, mask, DTYPE, INTERPRETED)
+        denom = tl.sqrt(second_moment) / bc2_sqrt + eps
+        p = p + neg_step_size * (pn_momentum / denom)
+    else:
+        p = p + neg_step_size * pn_momentum
+    _store(m_ptr + offs, m, mask, DTYPE, INTERPRETED)
+    _store(p_ptr + offs, p, mask, DTYPE, INTERPRETED)
+
+
+@triton.jit
 def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_tensors,
                  lr, lr_ptr, grad_scale_ptr, found_inf_ptr,
                  b1_sq, one_minus_b1_sq, b2, one_minus_b2, log_b1, log_b2,
@@ -40,10 +76,11 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
                  DTYPE: tl.constexpr, ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr,
                  DECOUPLED: tl.constexpr, HAS_LR_TENSOR: tl.constexpr,
                  HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
-                 BLOCK: tl.constexpr, ITERS: tl.constexpr, INTERPRETED: tl.constexpr):
+                 BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr,
+                 INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor + pid)
-    start = tl.load(chunk_start + pid)
+    start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)  # chunks start at block multiples
     numel = tl.load(numels + t)
     # Counters are incremented by a second launch, after this one read them: this is step+1.
     step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))) + 1.0
@@ -62,6 +99,10 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
     g_ptr = tl.load(ptr_table + n_tensors + t).to(tl.pointer_type(DTYPE))
     m_ptr = tl.where(odd, pos, neg).to(tl.pointer_type(DTYPE))
     m_other_ptr = tl.where(odd, neg, pos).to(tl.pointer_type(DTYPE))
+    v_ptr = p_ptr  # placeholders, never read unless ADAPTIVE / AMSGRAD
+    v_max_ptr = p_ptr
+    bc2_sqrt = 1.0
+    neg_step_size = -lr
     if ADAPTIVE:
         v_ptr = tl.load(ptr_table + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
         # Bias corrections in float64: 1 - b2^t loses digits in float32 when b2 is near 1.
@@ -71,39 +112,26 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
         neg_step_size = (-lr / bc1).to(tl.float32)  # float64: bc1 is float64
         if AMSGRAD:
             v_max_ptr = tl.load(ptr_table + 5 * n_tensors + t).to(tl.pointer_type(DTYPE))
-    else:
-        neg_step_size = -lr
     decay = 1.0 - lr * weight_decay
 
-    for i in tl.static_range(ITERS):
-        offs = start + i * BLOCK + tl.arange(0, BLOCK)
-        mask = offs < numel
-        p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-        g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
-        m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-        m_other = tl.load(m_other_ptr + offs, mask=mask).to(tl.float32)
-        if DECOUPLED:
-            p = p * decay
-        else:
-            g = g + weight_decay * p
-        m = b1_sq * m + one_minus_b1_sq * g
-        pn_momentum = (pos_coef * m + neg_coef * m_other) * inv_noise_norm
-        if ADAPTIVE:
-            v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
-            v = b2 * v + one_minus_b2 * (g * g)
-            second_moment = v
-            if AMSGRAD:
-                v_max = tl.load(v_max_ptr + offs, mask=mask).to(tl.float32)
-                v_max = tl.where((v_max != v_max) | (v_max > v), v_max, v)  # NaN-propagating
-                _store(v_max_ptr + offs, v_max, mask, DTYPE, INTERPRETED)
-                second_moment = v_max
-            _store(v_ptr + offs, v, mask, DTYPE, INTERPRETED)
-            denom = tl.sqrt(second_moment) / bc2_sqrt + eps
-            p = p + neg_step_size * (pn_momentum / denom)
-        else:
-            p = p + neg_step_size * pn_momentum
-        _store(m_ptr + offs, m, mask, DTYPE, INTERPRETED)
-        _store(p_ptr + offs, p, mask, DTYPE, INTERPRETED)
+    if ALIGNED and start + BLOCK * ITERS <= numel:
+        # A whole chunk of 16-byte-aligned tensors: unmasked, so loads are 128-bit wide.
+        p_ptr, g_ptr = tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16)
+        m_ptr, m_other_ptr = tl.multiple_of(m_ptr, 16), tl.multiple_of(m_other_ptr, 16)
+        v_ptr, v_max_ptr = tl.multiple_of(v_ptr, 16), tl.multiple_of(v_max_ptr, 16)
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, None,
+                    grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef,
+                    neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt,
+                    DTYPE, ADAPTIVE, AMSGRAD, DECOUPLED, INTERPRETED)
+    else:  # the tail of a tensor, a misaligned tensor, or a skipped (found_inf) step
+        for i in tl.static_range(ITERS):
+            offs = start + i * BLOCK + tl.arange(0, BLOCK)
+            _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, offs < numel,
+                    grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef,
+                    neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt,
+                    DTYPE, ADAPTIVE, AMSGRAD, DECOUPLED, INTERPRETED)
 
 
 @triton.jit
@@ -169,9 +197,10 @@ def _tables(lists, steps, device, chunk):
             chunk_tensor.append(i)
             chunk_start.append(s)
     as_device = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device)  # noqa: E731
+    aligned = all(ptr % 16 == 0 for ptr in ptrs)  # every tensor starts on 16 bytes
     tables = (as_device(ptrs, torch.int64), as_device(numels, torch.int64),
               as_device(step_ptrs, torch.int64), as_device(chunk_tensor, torch.int32),
-              as_device(chunk_start, torch.int64), len(chunk_tensor))
+              as_device(chunk_start, torch.int64), len(chunk_tensor), aligned)
     _TABLE_CACHE[key] = tables
     if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
         _TABLE_CACHE.popitem(last=False)
@@ -188,7 +217,7 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     lists = [params, batch.grads] + batch.buffers[: (4 if amsgrad else 3) if adaptive else 2]
     config = launch_config(device)
     chunk = config.block * config.iters
-    ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks = _tables(
+    ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks, aligned = _tables(
         lists, batch.steps, device, chunk)
     n = len(params)
 
@@ -211,7 +240,8 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
             DTYPE=_TL_DTYPES[dtype], ADAPTIVE=adaptive, AMSGRAD=amsgrad,
             DECOUPLED=hp["decoupled"], HAS_LR_TENSOR=lr_tensor is not None,
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
-            BLOCK=config.block, ITERS=config.iters, INTERPRETED=device.type == "cpu",
+            BLOCK=config.block, ITERS=config.iters, ALIGNED=aligned,
+            INTERPRETED=device.type == "cpu",
             num_warps=config.num_warps)
     block = 256
     _increment_steps_kernel[(triton.cdiv(n, block),)](

@@ -1,0 +1,51 @@
+"""Compiles the Triton kernels for sm_90 (no GPU needed) and prints a JSON report. Run in a
+process without TRITON_INTERPRET, so that triton.jit builds compilable kernels."""
+import json
+import sys
+
+import triton
+import triton.language as tl
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+from pnm_kernels import triton_kernels
+
+TARGET = GPUTarget("cuda", 90, 32)
+SIGNATURE = {
+    "ptr_table": "*i64", "numels": "*i64", "step_table": "*i64", "chunk_tensor": "*i32",
+    "chunk_start": "*i64", "n_tensors": "i32", "lr": "fp32", "lr_ptr": "*fp32",
+    "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "b1_sq": "fp32",
+    "one_minus_b1_sq": "fp32", "b2": "fp32", "one_minus_b2": "fp32", "log_b1": "fp32",
+    "log_b2": "fp32", "pos_coef": "fp32", "neg_coef": "fp32", "inv_noise_norm": "fp32",
+    "eps": "fp32", "weight_decay": "fp32", "grad_sign": "fp32",
+}
+DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+
+
+def compile_kernel(fn, signature, consts, num_warps):
+    signature = dict(signature, **{k: "constexpr" for k in consts})
+    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    return triton.compile(source, target=TARGET, options={"num_warps": num_warps})
+
+
+def main():
+    report = {}
+    for dtype in sys.argv[1].split(","):
+        for mode in ("PNM", "AdaPNM-amsgrad", "AdaPNM"):
+            adaptive, amsgrad = mode != "PNM", mode == "AdaPNM-amsgrad"
+            consts = dict(DTYPE=DTYPES[dtype], ADAPTIVE=adaptive, AMSGRAD=amsgrad,
+                          DECOUPLED=not amsgrad, HAS_LR_TENSOR=adaptive,
+                          HAS_GRAD_SCALE=adaptive, HAS_FOUND_INF=adaptive, BLOCK=2048,
+                          ITERS=2, ALIGNED=True, INTERPRETED=False)
+            ptx = compile_kernel(triton_kernels._step_kernel, SIGNATURE, consts, 8).asm["ptx"]
+            report[f"{dtype}-{mode}"] = {"sm_90": ".target sm_90" in ptx,
+                                         "v4_loads": "ld.global.v4" in ptx}
+    ptx = compile_kernel(triton_kernels._increment_steps_kernel,
+                         {"step_table": "*i64", "n_tensors": "i32", "found_inf_ptr": "*fp32"},
+                         dict(HAS_FOUND_INF=True, BLOCK=256), 4).asm["ptx"]
+    report["increment"] = {"sm_90": ".target sm_90" in ptx}
+    print(json.dumps(report))
+
+
+if __name__ == "__main__":
+    main()
