@@ -1,0 +1,37 @@
+"""What can be checked of the CUDA kernels without a GPU, beyond their emulated execution:
+compiled for sm_90, every kernel moves data with 128-bit loads and stores and keeps its
+launch table in parameter memory (no local-memory copy of the __grid_constant__ table)."""
+import os
+import re
+import shutil
+import subprocess
+import sysconfig
+
+import pytest
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+def test_cuda_kernels_use_128_bit_accesses_and_no_local_memory(tmp_path):
+    include = os.path.join(os.path.dirname(torch.__file__), "include")
+    ptx = tmp_path / "pnm_cuda.ptx"
+    cmd = [NVCC, "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90", "-ptx",
+           f"-I{include}", f"-I{include}/torch/csrc/api/include",
+           f"-I{sysconfig.get_paths()['include']}",
+           "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
+           "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
+           os.path.join(ROOT, "csrc", "pnm_cuda.cu"), "-o", str(ptx)]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
+    assert done.returncode == 0, done.stderr[-3000:]
+    text = ptx.read_text()
+    kernels = re.split(r"\.entry ", text)[1:]
+    step_kernels = [k for k in kernels if "step_kernel" in k.split("(")[0]]
+    assert len(step_kernels) == 3 * 6  # fp32/fp16/bf16 x (PNM, AdaPNM) x modes
+    for body in step_kernels:
+        assert re.search(r"ld\.global(\.nc)?\.v4", body), body.split("(")[0]
+        assert re.search(r"st\.global\.v4", body), body.split("(")[0]
+    assert "ld.local" not in text and "st.local" not in text
