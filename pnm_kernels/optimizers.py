@@ -164,8 +164,8 @@ class _PositiveNegativeMomentum(Optimizer):
         validated = self.__dict__.setdefault("_validated", {})
         for gi, group in enumerate(self.param_groups):
             # Re-validate only when a hyper-parameter changed (a scheduler, a user's edit).
-            signature = tuple(v if k != "lr" or not isinstance(v, torch.Tensor) else
-                              (id(v), v._version) for k, v in group.items() if k != "params")
+            signature = tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
+                              for k, v in group.items() if k != "params")
             if validated.get(id(group)) != signature:
                 _validate_group(group, self._adaptive, f"param_groups[{gi}]")
                 validated[id(group)] = signature

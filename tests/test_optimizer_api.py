@@ -407,3 +407,13 @@ def test_bad_gradient_after_cached_steps_is_still_caught(name, native_check, mon
         opt.step()
     for p, v, s in zip(params, values, steps):
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+@BOTH
+def test_extra_group_keys_including_tensors_are_carried_along(name):
+    params = make_params([(4,)])
+    opt = OPTIMIZERS[name]([{"params": params, "tag": "decoder", "scale": torch.tensor(2.0)}])
+    train(opt, params, 2)
+    opt.param_groups[0]["scale"].mul_(2)  # a user's own tensor, changed in place
+    train(opt, params, 1, start=2)
+    assert opt.param_groups[0]["tag"] == "decoder" and opt.state[params[0]]["step"].item() == 3
