@@ -190,7 +190,8 @@ def timed_steps(opt, device, steps):
     return (time.perf_counter() - t0) / steps
 
 
-def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress, quick=False):
+def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
+              skip_compiled=False):
     """Every contender on one parameter set. All contenders share the parameters and
     gradients (their values do not change the work) and run interleaved, round by round,
     when all their states fit in memory together; otherwise one after the other."""
@@ -203,8 +204,8 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress, qu
     for label, family, factory in contenders(device):
         if label.endswith("[reference]") and numel > (64 << 20):
             continue  # the eager per-parameter loop at this size only measures the host
-        if "torch.compile" in label and (len(shapes) > 200 or quick):
-            continue  # compiling a step over thousands of tensors takes minutes; --quick skips it
+        if "torch.compile" in label and (len(shapes) > 200 or skip_compiled):
+            continue  # compiling a step over thousands of tensors takes minutes
         entries.append((label, family, factory))
     # states of all contenders together: about 4 + 4 + 2 + 2 + 3 + 3 + 1 + 1 copies
     interleaved = fits_in_memory(4 * 24, numel, dtype, device)
@@ -377,7 +378,7 @@ def main(argv=None):
     results = []
     for name in names:
         results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round, progress,
-                             quick=args.quick or args.no_compiled_reference)
+                             skip_compiled=args.quick or args.no_compiled_reference)
     table = write_table(results, copy_gbps, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)

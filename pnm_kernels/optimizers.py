@@ -90,15 +90,15 @@ def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place."""
-    return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
-
-
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # torch built without distributed
     _DTensor = None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place."""
+    return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
 
 
 def _normalise_loaded_state(optimizer) -> None:
@@ -190,11 +190,8 @@ class _PositiveNegativeMomentum(Optimizer):
         batches = {}
         for pi in indices:
             p = group["params"][pi]
-            grad = p.grad
+            _check_param(p, gi, pi)  # raises, naming the parameter
             key = (p.device, p.dtype)
-            if (grad.layout != torch.strided or p.layout != torch.strided
-                    or (grad.device, grad.dtype) != key or grad.shape != p.shape):
-                _check_param(p, gi, pi)  # raises, naming the parameter
             if key not in batches:
                 real = p.real.dtype if p.is_complex() else p.dtype
                 try:
@@ -203,7 +200,7 @@ class _PositiveNegativeMomentum(Optimizer):
                     raise type(e)(f"{_describe(p, gi, pi)}: {e}") from None
                 batches[key] = (backend, [], [True])
             batches[key][1].append(pi)
-            if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(grad) is not torch.Tensor:
+            if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.grad) is not torch.Tensor:
                 batches[key][2][0] = False  # tensor subclasses (DTensor) stay out of the C++ check
         return [(backend, idx, plain[0]) for backend, idx, plain in batches.values()]
 

@@ -8,8 +8,8 @@ Hyper-parameters are runtime arguments: a new lr never recompiles. Parity and bi
 come from each tensor's own step counter, read in the kernel, so nothing synchronises with
 the host. Whole chunks of 16-byte-aligned tensors take an unmasked path with alignment hints:
 pointers read from a table carry no alignment, and without the hints Triton emits 4-byte
-loads (tests/test_triton_compiles.py checks the PTX for 128-bit loads). Under TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how CI tests
-them).
+loads (tests/test_triton_compiles.py checks the PTX for 128-bit loads). Under
+TRITON_INTERPRET=1 the same kernels run on CPU tensors (that is how CI tests them).
 """
 import math
 from collections import OrderedDict
