@@ -6,8 +6,10 @@
 Every contender runs in this one process, interleaved round by round, warm-up excluded; the
 figure kept is the median over rounds. Throughput is "effective GB/s": the minimum bytes the
 algorithm must move (DESIGN.md §2) times the parameter count, divided by the step time, also
-shown as a fraction of this device's measured copy bandwidth. Writes a Markdown table (also
-printed), a JSON with every figure and the machine, and a PNG plot.
+shown as a fraction of this device's measured copy bandwidth. Ratios to torch's fused
+optimizers are medians of per-round paired ratios, so slow drift in a shared machine's speed
+cancels. Writes a Markdown table (also printed), a JSON with every figure and the machine, and
+a PNG plot.
 """
 import argparse
 import datetime
@@ -229,8 +231,8 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
     runs = []
     if interleaved:
         runs = [start(*entry) for entry in entries]
-        for _ in range(rounds):  # every contender once per round
-            for run in runs:
+        for r in range(rounds):  # every contender once per round, the order reversed every
+            for run in (runs if r % 2 == 0 else runs[::-1]):  # other round: no one always first
                 if "opt" in run:
                     run["times"].append(timed_steps(run["opt"], device, steps_per_round))
             progress.advance(name)
@@ -256,7 +258,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
             t = statistics.median(run["times"])
             row.update(ms=t * 1e3, times_ms=[x * 1e3 for x in run["times"]],
                        gbps=BYTES_PER_ELEMENT[run["family"]] * scale * numel / t / 1e9,
-                       state_bytes=run["state_bytes"])
+                       state_bytes=run["state_bytes"], paired=run["interleaved"])
         results.append(row)
         run.pop("opt", None)
     by_label = {r["label"]: r for r in results if "ms" in r}
@@ -266,11 +268,25 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         ref = by_label.get(f"{r['family']}[reference]")
         if ref:
             r["speedup_vs_reference"] = ref["ms"] / r["ms"]
-        peer = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused]"}.get(r["family"])
-        if peer in by_label:
-            r["time_vs_torch_fused"] = r["ms"] / by_label[peer]["ms"]
-            r["gbps_vs_torch_fused"] = r["gbps"] / by_label[peer]["gbps"]
+        peer = by_label.get({"PNM": "torch.SGD-momentum[fused]",
+                             "AdaPNM": "torch.Adam-amsgrad[fused]"}.get(r["family"]))
+        if peer:
+            r.update(versus_peer(r, peer))
     return results
+
+
+def versus_peer(row, peer):
+    """Time and GB/s relative to torch's fused peer. Interleaved contenders are compared round
+    by round (each round's two times were taken moments apart, so drift in the machine's speed
+    cancels) and the median of those paired ratios is kept; otherwise the ratio of medians."""
+    bytes_ratio = row["gbps"] * row["ms"] / (peer["gbps"] * peer["ms"])
+    if row.get("paired") and peer.get("paired"):
+        times = [a / b for a, b in zip(row["times_ms"], peer["times_ms"])]
+        return dict(time_vs_torch_fused=statistics.median(times),
+                    gbps_vs_torch_fused=statistics.median(bytes_ratio / t for t in times),
+                    compared="median of paired per-round ratios")
+    return dict(time_vs_torch_fused=row["ms"] / peer["ms"],
+                gbps_vs_torch_fused=row["gbps"] / peer["gbps"], compared="ratio of medians")
 
 
 def machine_info(device, args):
@@ -369,8 +385,8 @@ def main(argv=None):
     for n in names:
         if n not in SETS:
             parser.error(f"unknown set {n!r}; choose from {', '.join(SETS)}")
-    rounds = args.rounds or (3 if args.quick else 7)
-    steps_per_round = 2 if args.quick else 5
+    rounds = args.rounds or (3 if args.quick else 15)
+    steps_per_round = 2 if args.quick else 3
     info = machine_info(device, args)
     copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
                                else (256 << 20))

@@ -26,6 +26,18 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     assert "| set | optimizer |" in capsys.readouterr().out
 
 
+def test_ratios_to_torch_are_paired_round_by_round():
+    """A machine that slows down between rounds slows both contenders of a round alike: the
+    paired ratio sees through it; sequential runs fall back to the ratio of medians."""
+    ours = dict(ms=2.0, gbps=12.0, times_ms=[1.2, 2.4, 9.6], paired=True)  # 24 bytes/element
+    peer = dict(ms=4.0, gbps=5.0, times_ms=[1.0, 2.0, 8.0], paired=True)   # 20 bytes/element
+    r = bench_step.versus_peer(ours, peer)
+    assert r["time_vs_torch_fused"] == pytest.approx(1.2)
+    assert r["gbps_vs_torch_fused"] == pytest.approx(1.0)
+    r = bench_step.versus_peer(dict(ours, paired=False), peer)
+    assert r["time_vs_torch_fused"] == pytest.approx(0.5) and r["compared"] == "ratio of medians"
+
+
 def test_unknown_set_is_refused():
     with pytest.raises(SystemExit):
         bench_step.main(["--sets", "nonsense", "--device", "cpu"])
