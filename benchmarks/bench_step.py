@@ -170,7 +170,8 @@ def fits_in_memory(family_bytes, numel, dtype, device):
         return need < torch.cuda.mem_get_info()[0]
     try:
         with open("/proc/meminfo") as f:
-            avail = next(int(l.split()[1]) * 1024 for l in f if l.startswith("MemAvailable"))
+            avail = next(int(line.split()[1]) * 1024 for line in f
+                         if line.startswith("MemAvailable"))
     except (OSError, StopIteration):
         return True
     return need < avail
@@ -297,7 +298,8 @@ def machine_info(device, args):
                 cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
     try:
         with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(l.split(":", 1)[1].strip() for l in f if l.startswith("model name"))
+            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f
+                               if line.startswith("model name"))
     except (OSError, StopIteration):
         pass
     try:

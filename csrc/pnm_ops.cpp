@@ -25,7 +25,7 @@ constexpr const char* kAdaPnmListNames[] = {"params",       "grads",      "exp_a
                                             "neg_exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
 
 // Same memory layout: equal strides on every dimension that has more than one element.
-bool same_layout(const at::Tensor& a, const at::Tensor& b) {
+bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
   for (int64_t d = 0; d < a.dim(); ++d) {
     if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
   }
@@ -82,7 +82,7 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   " (one call takes one dtype; group tensors by dtype)");
       TORCH_CHECK(t.sizes() == p.sizes(), "pnm_kernels: ", names[l], "[", i, "] has shape ",
                   t.sizes(), " but params[", i, "] has shape ", p.sizes());
-      TORCH_CHECK(t.is_non_overlapping_and_dense() && same_layout(t, p), "pnm_kernels: ",
+      TORCH_CHECK(t.is_non_overlapping_and_dense() && same_layout_as(t, p), "pnm_kernels: ",
                   names[l], "[", i, "] must be dense and laid out like params[", i,
                   "] (strides ", t.strides(), " vs ", p.strides(), ")");
     }
@@ -361,8 +361,9 @@ struct CpuImpl {
 using CpuFused = CpuImpl<false>;
 using EmulatedCuda = CpuImpl<true>;
 
-// The optimizer's per-step gradient check for a batch, without a Python loop.
-int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads) {
+// The optimizer's per-step gradient check for a batch, without a Python loop. With
+// same_layout, a gradient that is not dense and laid out like its parameter counts too.
+int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool same_layout) {
   TORCH_CHECK(params.size() == grads.size(), "pnm_kernels: ", grads.size(), " grads for ",
               params.size(), " params");
   for (size_t i = 0; i < params.size(); ++i) {
@@ -371,7 +372,8 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads) {
     if (!g.defined() || g.layout() != at::kStrided || p.layout() != at::kStrided ||
         p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
         g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
-        !g.sizes().equals(p.sizes())) {
+        !g.sizes().equals(p.sizes()) ||
+        (same_layout && !(g.is_non_overlapping_and_dense() && same_layout_as(g, p)))) {
       return static_cast<int64_t>(i);
     }
   }
@@ -435,7 +437,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def(ADAPNM_STEP_SCHEMA("emulated_cuda_adapnm_step_"));
   m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks) -> ()",
         &pnm::set_launch_limits);
-  m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads) -> int",
+  m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
   m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
 }

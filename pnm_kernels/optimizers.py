@@ -2,6 +2,8 @@
 dtype, and hand each batch to a backend (see _backends.py)."""
 import math
 import numbers
+from dataclasses import dataclass
+from typing import Optional
 
 import torch
 from torch.optim import Optimizer
@@ -10,6 +12,25 @@ from . import _backends
 from ._backends import ADAPNM_BUFFERS, PNM_BUFFERS, Batch
 
 BACKENDS = ("auto", "fused", "triton", "foreach", "reference")
+
+
+@dataclass
+class _Grouping:
+    """A param group's parameters with gradients, split by device and dtype."""
+    batches: list  # [(backend, parameter indices, plain tensors?)]
+    defer_check: bool = True  # False once the kernel refused a gradient's layout
+
+
+@dataclass
+class _PlanItem:
+    """One batch of a step: same device, dtype and backend."""
+    group: dict
+    backend: str
+    params: list
+    grads: list
+    ids: tuple  # identifies the batch's parameters (the batch cache's key)
+    layout_ok: Optional[bool]  # every gradient dense and laid out like its parameter?
+    origin: Optional[tuple] = None  # (gi, grouping, the group's grads) when the kernel checks
 
 
 def _is_real_number(x) -> bool:
@@ -153,15 +174,17 @@ class _PositiveNegativeMomentum(Optimizer):
             return self._buffer_names[:3]
         return self._buffer_names
 
-    def _plan(self):
+    def _plan(self, defer=True):
         """Checks everything and decides the backend of every batch, touching nothing.
 
         The grouping of a param group's parameters into (device, dtype) batches is cached
-        while the same parameters have gradients; the gradients are still checked every
-        step (in C++ where the extension is built)."""
-        plan = []
+        while the same parameters have gradients; the gradients are still checked every step
+        (in C++ where the extension is built). One check is deferred: when the whole step is
+        one cached batch for the fused kernels, their own argument checks, which run before
+        anything is touched, stand in for it, and step() looks closer if they refuse."""
         cache = self.__dict__.setdefault("_plan_cache", {})
         validated = self.__dict__.setdefault("_validated", {})
+        found = []  # (gi, group, key, grouping, from the cache?, grads, indices)
         for gi, group in enumerate(self.param_groups):
             # Re-validate only when a hyper-parameter changed (a scheduler, a user's edit).
             signature = tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
@@ -169,18 +192,47 @@ class _PositiveNegativeMomentum(Optimizer):
             if validated.get(id(group)) != signature:
                 _validate_group(group, self._adaptive, f"param_groups[{gi}]")
                 validated[id(group)] = signature
-            indices = [pi for pi, p in enumerate(group["params"]) if p.grad is not None]
+            params = group["params"]
+            grads = [p.grad for p in params]
+            indices = [i for i, g in enumerate(grads) if g is not None]
             if not indices:
                 continue
+            ids = (tuple(map(id, params)) if len(indices) == len(params)
+                   else tuple(id(params[i]) for i in indices))
+            key = (id(group), group["backend"], ids)
+            grouping = cache.get(key)
+            found.append((gi, group, key, grouping, grouping is not None, grads, indices))
+        batch_count = sum(len(f[3].batches) if f[3] else 1 for f in found)
+        plan = []
+        for gi, group, key, grouping, cached, grads, indices in found:
             params = group["params"]
-            key = (id(group), group["backend"], tuple(map(id, (params[i] for i in indices))))
-            batches = cache.get(key)
-            if batches is None or not self._grads_still_fit(batches, params, gi):
-                batches = self._group_batches(group, gi, indices)
+            layouts = None
+            if cached:
+                backend, idx, plain = grouping.batches[0]
+                deferred = (defer and batch_count == 1 and grouping.defer_check and plain
+                            and backend == "fused")
+                if deferred and self._cached_batch(group, backend, key[2]) is not None:
+                    whole = len(idx) == len(params)
+                    plan.append(_PlanItem(group, backend, params if whole else
+                                          [params[i] for i in idx],
+                                          grads if whole else [grads[i] for i in idx],
+                                          key[2], True, origin=(gi, grouping, grads)))
+                    continue
+                layouts = self._check_grads(grouping.batches, params, grads, gi)
+                if layouts is None:  # a parameter moved to another device or dtype
+                    cached = False
+            if not cached:
+                grouping = _Grouping(self._group_batches(group, gi, indices))
                 if len(cache) > 64:
                     cache.clear()
-                cache[key] = batches
-            plan += [(group, backend, [params[i] for i in idx]) for backend, idx, _ in batches]
+                cache[key] = grouping
+            for b, (backend, idx, _) in enumerate(grouping.batches):
+                whole = len(grouping.batches) == 1
+                batch_params = [params[i] for i in idx]
+                plan.append(_PlanItem(
+                    group, backend, batch_params, [grads[i] for i in idx],
+                    key[2] if whole else tuple(map(id, batch_params)),
+                    layouts[b] if layouts else None))
         return plan
 
     @staticmethod
@@ -205,48 +257,60 @@ class _PositiveNegativeMomentum(Optimizer):
         return [(backend, idx, plain[0]) for backend, idx, plain in batches.values()]
 
     @staticmethod
-    def _grads_still_fit(batches, params, gi):
-        """Every gradient of a cached grouping still matches its parameter and batch."""
+    def _check_grads(batches, params, grads, gi):
+        """Checks the gradients of a cached grouping, raising on one that does not match its
+        parameter. Returns None when a parameter itself moved to another device or dtype
+        (regroup), else per batch whether every gradient is dense and laid out like its
+        parameter: True, False, or None where unknown."""
         check = _backends.first_mismatched_grad
+        layouts = []
         for _, idx, plain in batches:
-            batch = [params[i] for i in idx]
             if check is not None and plain:
-                bad = check(batch, [p.grad for p in batch])
+                bad = check([params[i] for i in idx], [grads[i] for i in idx], True)
                 if bad < 0:
+                    layouts.append(True)
                     continue
-                candidates = [idx[bad]]
+                rest, layout = idx[bad:], False  # the Python checks below say why
             else:
-                candidates = idx
-            for pi in candidates:
+                rest, layout = idx, None
+            first = params[idx[0]]
+            for pi in rest:
                 p = params[pi]
                 _check_param(p, gi, pi)  # raises when the gradient is at fault
-                first = params[idx[0]]
                 if (p.device, p.dtype) != (first.device, first.dtype):
-                    return False  # the parameter itself changed: regroup
-        return True
+                    return None
+            layouts.append(layout)
+        return layouts
 
-    def _batch(self, group, backend, params):
+    def _cached_batch(self, group, backend, ids):
+        """The cached tensor lists of a batch (gradients left out), if still valid."""
+        names = self._buffers_needed(group)
+        hit = self.__dict__.get("_batch_cache", {}).get((id(group), backend, names, ids))
+        return hit[1] if hit is not None and hit[0] == self._state_version() else None
+
+    def _batch(self, item):
         """The kernel-ready tensor lists for a batch, and the (param, dense copy) pairs to
         write back after the step. The lists of parameters, buffers and counters are cached
         while the parameters with gradients and the state stay the same; only the gradients
-        are gathered anew each step."""
+        are new each step."""
+        group, backend, params = item.group, item.backend, item.params
+        cached = self._cached_batch(group, backend, item.ids)
+        if cached is not None:
+            layout_ok = item.layout_ok
+            if layout_ok is None:
+                layout_ok = all(g.is_contiguous() for g in item.grads)
+            if layout_ok:
+                return Batch(cached.params, item.grads, cached.buffers, cached.steps), []
         names = self._buffers_needed(group)
-        key = (id(group), backend, names, tuple(map(id, params)))
-        cache = self.__dict__.setdefault("_batch_cache", {})
-        hit = cache.get(key)
-        if hit is not None and hit[0] == self._state_version():
-            grads = [p.grad for p in params]
-            if all(g.is_contiguous() for g in grads):
-                cached = hit[1]
-                return Batch(cached.params, grads, cached.buffers, cached.steps), []
         batch, writebacks = self._build_batch(group, backend, params, names)
         simple = not writebacks and all(
             type(p) in (torch.Tensor, torch.nn.Parameter) and not p.is_complex()
             and p.is_contiguous() for p in params)
         if simple and backend in _backends.FLAT_BACKENDS:
+            cache = self.__dict__.setdefault("_batch_cache", {})
             if len(cache) > 64:
                 cache.clear()
-            cache[key] = (self._state_version(), batch)
+            cache[(id(group), backend, names, item.ids)] = (self._state_version(), batch)
         return batch, writebacks
 
     def _state_version(self):
@@ -296,19 +360,45 @@ class _PositiveNegativeMomentum(Optimizer):
         plan = self._plan()  # raises before any parameter or state is touched
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if plan and plan[0].origin is not None:  # its gradients are checked by the kernel
+            try:
+                self._run(plan, grad_scale, found_inf)
+                return loss
+            except RuntimeError:
+                if not self._refusal_explained(plan[0]):
+                    raise
+            plan = self._plan(defer=False)
+        self._run(plan, grad_scale, found_inf)
+        return loss
+
+    def _run(self, plan, grad_scale, found_inf):
         per_device = {}
-        for group, backend, params in plan:
-            batch, writebacks = self._batch(group, backend, params)
+        for item in plan:
+            batch, writebacks = self._batch(item)
             device = batch.params[0].device
             if device not in per_device:
                 per_device[device] = tuple(
                     None if t is None else t.to(device, non_blocking=True)
                     for t in (grad_scale, found_inf))
-            _backends.RUNNERS[backend](self._adaptive, batch, self._hyper(group),
-                                       *per_device[device])
+            _backends.RUNNERS[item.backend](self._adaptive, batch, self._hyper(item.group),
+                                            *per_device[device])
             for param, dense in writebacks:
                 param.copy_(dense)
-        return loss
+
+    def _refusal_explained(self, item):
+        """The fused kernel refused a batch whose gradient check was left to it. It checks
+        all its arguments before touching anything, so the step can be redone carefully when
+        the cause is known: a gradient that does not match its parameter raises here, naming
+        it; a parameter that moved, or a gradient laid out unlike its parameter (copied on
+        the careful path), returns True."""
+        gi, grouping, grads = item.origin
+        layouts = self._check_grads(grouping.batches, item.group["params"], grads, gi)
+        if layouts is None:
+            return True
+        if layouts[0] is False:
+            grouping.defer_check = False  # check in C++ first from now on
+            return True
+        return False
 
 
 class PNM(_PositiveNegativeMomentum):

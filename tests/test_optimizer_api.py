@@ -409,6 +409,45 @@ def test_bad_gradient_after_cached_steps_is_still_caught(name, native_check, mon
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_gradients_laid_out_unlike_their_parameters_after_cached_steps(path, name):
+    """A transposed gradient for a contiguous parameter, arriving after the tensor lists were
+    cached, is copied densely for the kernels; later contiguous gradients use the cache."""
+    params = make_params([(4, 6), (5,), (3, 2)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    for t in range(8):
+        for ps in (params, ref_params):
+            gen = torch.Generator().manual_seed(t)
+            grads = [torch.randn(p.shape, generator=gen) for p in ps]
+            if 3 <= t < 6:  # same values, other layout
+                grads[0] = grads[0].t().contiguous().t()
+            for p, g in zip(ps, grads):
+                p.grad = g.to(DEVICE)
+        assert (params[0].grad.is_contiguous()) == (not 3 <= t < 6)
+        opt.step()
+        ref.step()
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@BOTH
+def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name):
+    """The fused kernel checks every argument before it touches anything; when none of the
+    gradients is at fault, its own error reaches the user and nothing has changed."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name](params, backend="fused")
+    train(opt, params, 3)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    opt.grad_scale = torch.tensor(1.0, dtype=torch.float64, device=DEVICE)  # must be float32
+    with pytest.raises(RuntimeError, match="grad_scale must be a float32 tensor"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
 @BOTH
 def test_extra_group_keys_including_tensors_are_carried_along(name):
     params = make_params([(4,)])
