@@ -82,9 +82,10 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   " (one call takes one dtype; group tensors by dtype)");
       TORCH_CHECK(t.sizes() == p.sizes(), "pnm_kernels: ", names[l], "[", i, "] has shape ",
                   t.sizes(), " but params[", i, "] has shape ", p.sizes());
-      TORCH_CHECK(t.is_non_overlapping_and_dense() && same_layout_as(t, p), "pnm_kernels: ",
-                  names[l], "[", i, "] must be dense and laid out like params[", i,
-                  "] (strides ", t.strides(), " vs ", p.strides(), ")");
+      TORCH_CHECK((t.is_contiguous() && p.is_contiguous()) ||  // the common case, cheaply
+                      (t.is_non_overlapping_and_dense() && same_layout_as(t, p)),
+                  "pnm_kernels: ", names[l], "[", i, "] must be dense and laid out like params[",
+                  i, "] (strides ", t.strides(), " vs ", p.strides(), ")");
     }
     const at::Tensor& s = call.steps[i];
     TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat &&
@@ -177,7 +178,7 @@ GatheredPointers gather_pointers(const StepCall& call) {
   g.numels.reserve(n);
   for (int64_t i = 0; i < n; ++i) {
     for (int l = 0; l < call.num_lists; ++l) g.ptrs.push_back(call.lists[l][i].data_ptr());
-    g.steps.push_back(call.steps[i].data_ptr<float>());
+    g.steps.push_back(static_cast<float*>(call.steps[i].data_ptr()));
     g.numels.push_back(call.lists[0][i].numel());
   }
   return g;
@@ -301,8 +302,11 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   std::vector<CpuTensorWork<T, Algo>> work(n);
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
   for (int64_t i = 0; i < n; ++i) {
-    const double step = static_cast<double>(*call.steps[i].data_ptr<float>()) + 1.0;
-    for (int l = 0; l < Algo::kLists; ++l) work[i].ptr[l] = call.lists[l][i].data_ptr<T>();
+    // Types were checked with the call: the untyped pointers skip a check per tensor.
+    const double step = static_cast<double>(*static_cast<float*>(call.steps[i].data_ptr())) + 1.0;
+    for (int l = 0; l < Algo::kLists; ++l) {
+      work[i].ptr[l] = static_cast<T*>(call.lists[l][i].data_ptr());
+    }
     if ((static_cast<int64_t>(step) & 1) == 0) std::swap(work[i].ptr[2], work[i].ptr[3]);
     work[i].coeffs = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
     for (int64_t b = 0; b < call.lists[0][i].numel(); b += kCpuChunk) chunks.emplace_back(i, b);
@@ -313,7 +317,7 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
       cpu_range(work[i], b, std::min(b + kCpuChunk, call.lists[0][i].numel()), gf);
     }
   });
-  for (int64_t i = 0; i < n; ++i) *call.steps[i].data_ptr<float>() += 1.0f;
+  for (int64_t i = 0; i < n; ++i) *static_cast<float*>(call.steps[i].data_ptr()) += 1.0f;
 }
 
 // ---------------------------------------------------------------------------------------
@@ -373,7 +377,8 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool 
         p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
         g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
         !g.sizes().equals(p.sizes()) ||
-        (same_layout && !(g.is_non_overlapping_and_dense() && same_layout_as(g, p)))) {
+        (same_layout && !(g.is_contiguous() && p.is_contiguous()) &&
+         !(g.is_non_overlapping_and_dense() && same_layout_as(g, p)))) {
       return static_cast<int64_t>(i);
     }
   }
@@ -413,6 +418,51 @@ void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_bloc
   limits.max_blocks = static_cast<int>(max_blocks);
 }
 
+// The lists of a batch that stay the same from step to step (parameters, buffers, step
+// counters), converted from Python once: an eager step then converts only its gradients,
+// which for thousands of small tensors is most of the host time. Each step goes through the
+// registered ops, so every check and every device's kernel is the same as for a direct call.
+struct StepLists : torch::CustomClassHolder {
+  std::vector<at::Tensor> params, buffer0, buffer1, buffer2, buffer3, steps;
+
+  StepLists(std::vector<at::Tensor> params, std::vector<at::Tensor> buffer0,
+            std::vector<at::Tensor> buffer1, std::vector<at::Tensor> buffer2,
+            std::vector<at::Tensor> buffer3, std::vector<at::Tensor> steps)
+      : params(std::move(params)), buffer0(std::move(buffer0)), buffer1(std::move(buffer1)),
+        buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)) {}
+
+  void pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
+                double beta0, double weight_decay, bool decoupled, bool maximize,
+                std::optional<at::Tensor> lr_tensor, std::optional<at::Tensor> grad_scale,
+                std::optional<at::Tensor> found_inf) {
+    using Fn = decltype(pnm_step_op<CpuFused>);
+    static const auto op = find_op<Fn>("pnm_kernels::pnm_step_");
+    static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_pnm_step_");
+    (emulate ? emulated : op)
+        .call(params, grads, buffer0, buffer1, steps, lr, beta1, beta0, weight_decay, decoupled,
+              maximize, lr_tensor, grad_scale, found_inf);
+  }
+
+  void adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
+                   double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+                   bool decoupled, bool maximize, std::optional<at::Tensor> lr_tensor,
+                   std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf) {
+    using Fn = decltype(adapnm_step_op<CpuFused>);
+    static const auto op = find_op<Fn>("pnm_kernels::adapnm_step_");
+    static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_adapnm_step_");
+    (emulate ? emulated : op)
+        .call(params, grads, buffer0, buffer1, buffer2, buffer3, steps, lr, beta1, beta2, beta0,
+              eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
+              found_inf);
+  }
+
+ private:
+  template <class Fn>
+  static c10::TypedOperatorHandle<Fn> find_op(const char* name) {
+    return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
+  }
+};
+
 }  // namespace
 }  // namespace pnm
 
@@ -440,6 +490,11 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
   m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
+  m.class_<pnm::StepLists>("StepLists")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
+      .def("pnm_step", &pnm::StepLists::pnm_step)
+      .def("adapnm_step", &pnm::StepLists::adapnm_step);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {

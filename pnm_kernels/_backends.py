@@ -25,6 +25,9 @@ class Batch:
     grads: list = field(default_factory=list)
     buffers: list = field(default_factory=list)  # one list per buffer name
     steps: list = field(default_factory=list)
+    # For a cached batch of the fused backend: a box, shared by the batches of every step,
+    # for the C++ copy of the lists that stay the same (see run_fused).
+    lists_box: Optional[list] = None
 
 
 def _skip_step(found_inf: Optional[torch.Tensor]) -> bool:
@@ -106,6 +109,24 @@ def run_fused(adaptive, batch, hp, grad_scale, found_inf):
     device = batch.params[0].device
     emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
     lr, lr_tensor = split_lr(hp["lr"], device)
+    if batch.lists_box is not None and not torch.compiler.is_compiling():
+        # Eager steps of a cached batch: parameters, buffers and counters were handed to C++
+        # once, and only the gradients cross over from Python. With thousands of small
+        # tensors, converting the lists was most of a step's host time.
+        if batch.lists_box[0] is None:
+            buffers = list(batch.buffers) + [[]] * (4 - len(batch.buffers))
+            batch.lists_box[0] = torch.classes.pnm_kernels.StepLists(
+                batch.params, *buffers, batch.steps)
+        lists = batch.lists_box[0]
+        if adaptive:
+            lists.adapnm_step(batch.grads, emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"],
+                              hp["eps"], hp["weight_decay"], hp["amsgrad"], hp["decoupled"],
+                              hp["maximize"], lr_tensor, grad_scale, found_inf)
+        else:
+            lists.pnm_step(batch.grads, emulate, lr, hp["beta1"], hp["beta0"],
+                           hp["weight_decay"], hp["decoupled"], hp["maximize"], lr_tensor,
+                           grad_scale, found_inf)
+        return
     ops = torch.ops.pnm_kernels
     common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"], weight_decay=hp["weight_decay"],
                   decoupled=hp["decoupled"], maximize=hp["maximize"], lr_tensor=lr_tensor,

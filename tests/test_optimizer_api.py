@@ -184,6 +184,27 @@ def test_state_dict_round_trip_mid_run_is_bitwise(path, name):
     assert_states_close(opt2, resumed, opt_straight, straight, atol=0, rtol=0)
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name):
+    """The kernels' cached tensor lists follow load_state_dict: the loaded buffers and
+    counters are the ones stepped, not those held from before."""
+    params = make_params([(50,), (3, 3)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 3)
+    saved_params = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict())
+    train(opt, params, 4, start=3)
+    after_seven = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, saved_params):
+            p.copy_(v)
+    opt.load_state_dict(saved)
+    train(opt, params, 4, start=3)
+    for p, v in zip(params, after_seven):
+        assert torch.equal(p, v)
+
+
 @BOTH
 def test_loads_a_checkpoint_in_the_authors_format(name):
     """The authors' optimizers store step as a Python int and know no maximize/backend."""
