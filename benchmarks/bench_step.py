@@ -72,16 +72,24 @@ def small_tensors_shapes(n=2000):
     return [((i * 37) % 1500 + 64,) for i in range(n)]
 
 
+def tiny_tensors_shapes(n=2000):
+    """2,000 tensors of 16 elements: the step is almost all host work (grouping, checks,
+    argument conversion, launch), which is what a GPU step over many small tensors pays."""
+    return [(16,)] * n
+
+
 SETS = {
     "transformer": transformer_shapes,
     "small2000": small_tensors_shapes,
+    "tiny2000": tiny_tensors_shapes,
     "gpt2-124m": gpt2_124m_shapes,
     "resnet50": resnet50_shapes,
     "llama-1b": llama_1b_shapes,
     **{f"flat{n}M": (lambda n=n: [(n << 20,)]) for n in (1, 4, 16, 64, 256, 1024)},
 }
-DEFAULT_SETS = {"cpu": ["small2000", "resnet50", "transformer", "flat1M", "flat16M", "flat64M"],
-                "cuda": ["small2000", "resnet50", "transformer", "gpt2-124m", "llama-1b",
+DEFAULT_SETS = {"cpu": ["tiny2000", "small2000", "resnet50", "transformer", "flat1M", "flat16M",
+                        "flat64M"],
+                "cuda": ["tiny2000", "small2000", "resnet50", "transformer", "gpt2-124m", "llama-1b",
                          "flat1M", "flat4M", "flat16M", "flat64M", "flat256M", "flat1024M"]}
 QUICK_SETS = {"cpu": ["small2000", "transformer"], "cuda": ["small2000", "transformer", "flat64M"]}
 

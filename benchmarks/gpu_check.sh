@@ -52,6 +52,6 @@ echo "== benchmark"
 if [ "$MODE" = full-bench ]; then
   python3 benchmarks/bench_step.py --device cuda --out "$OUT" 2> "$OUT/bench.err"
 else
-  python3 benchmarks/bench_step.py --device cuda --sets small2000,transformer,gpt2-124m,flat64M,flat256M,flat1024M --rounds 5 --no-compiled-reference --out "$OUT" 2> "$OUT/bench.err"
+  python3 benchmarks/bench_step.py --device cuda --sets tiny2000,small2000,transformer,gpt2-124m,flat64M,flat256M,flat1024M --rounds 5 --no-compiled-reference --out "$OUT" 2> "$OUT/bench.err"
 fi
 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 --sets transformer,flat256M --rounds 5 --no-compiled-reference --out "$OUT" 2>> "$OUT/bench.err" | tail -25
