@@ -95,6 +95,13 @@ def _check_param(param, gi, pi) -> None:
         raise RuntimeError(f"{_describe(param, gi, pi)} is sparse; not supported")
 
 
+def _pick(params, grads, indices):
+    """The parameters and gradients at these indices (the lists themselves when all)."""
+    if len(indices) == len(params):
+        return params, grads
+    return [params[i] for i in indices], [grads[i] for i in indices]
+
+
 def _is_dense(t: torch.Tensor) -> bool:
     """Its elements fill one block of memory without gaps or overlap, in some dim order."""
     expected = 1
@@ -212,11 +219,8 @@ class _PositiveNegativeMomentum(Optimizer):
                 deferred = (defer and batch_count == 1 and grouping.defer_check and plain
                             and backend == "fused")
                 if deferred and self._cached_batch(group, backend, key[2]) is not None:
-                    whole = len(idx) == len(params)
-                    plan.append(_PlanItem(group, backend, params if whole else
-                                          [params[i] for i in idx],
-                                          grads if whole else [grads[i] for i in idx],
-                                          key[2], True, origin=(gi, grouping, grads)))
+                    plan.append(_PlanItem(group, backend, *_pick(params, grads, idx), key[2],
+                                          layout_ok=True, origin=(gi, grouping, grads)))
                     continue
                 layouts = self._check_grads(grouping.batches, params, grads, gi)
                 if layouts is None:  # a parameter moved to another device or dtype
@@ -227,12 +231,10 @@ class _PositiveNegativeMomentum(Optimizer):
                     cache.clear()
                 cache[key] = grouping
             for b, (backend, idx, _) in enumerate(grouping.batches):
-                whole = len(grouping.batches) == 1
-                batch_params = [params[i] for i in idx]
-                plan.append(_PlanItem(
-                    group, backend, batch_params, [grads[i] for i in idx],
-                    key[2] if whole else tuple(map(id, batch_params)),
-                    layouts[b] if layouts else None))
+                batch_params, batch_grads = _pick(params, grads, idx)
+                ids = key[2] if len(grouping.batches) == 1 else tuple(map(id, batch_params))
+                plan.append(_PlanItem(group, backend, batch_params, batch_grads, ids,
+                                      layout_ok=layouts[b] if layouts else None))
         return plan
 
     @staticmethod
