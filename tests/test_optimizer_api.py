@@ -205,6 +205,23 @@ def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name)
         assert torch.equal(p, v)
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_deleting_a_parameters_state_restarts_it(path, name):
+    """`del opt.state[p]` (as after re-initialising a layer) gives p fresh state at its next
+    step, as with torch's optimizers; the other parameters carry on."""
+    params = make_params([(50,), (3, 3), (7,)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        del o.state[ps[1]]
+        train(o, ps, 3, start=3)
+    assert opt.state[params[1]]["step"].item() == 3 and opt.state[params[0]]["step"].item() == 6
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @BOTH
 def test_loads_a_checkpoint_in_the_authors_format(name):
     """The authors' optimizers store step as a Python int and know no maximize/backend."""
