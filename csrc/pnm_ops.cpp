@@ -108,11 +108,11 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& found_inf, c10::DeviceType device_type) {
   StepCall call;
   call.num_lists = 4;
-  call.lists[0] = params.vec();
-  call.lists[1] = grads.vec();
-  call.lists[2] = pos_momentums.vec();
-  call.lists[3] = neg_momentums.vec();
-  call.steps = steps.vec();
+  call.lists[0] = params;
+  call.lists[1] = grads;
+  call.lists[2] = pos_momentums;
+  call.lists[3] = neg_momentums;
+  call.steps = steps;
   call.hyper = Hyper{beta1, 0.0, beta0, 0.0, weight_decay, maximize};
   call.lr = lr;
   call.lr_tensor = lr_tensor;
@@ -135,13 +135,13 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           c10::DeviceType device_type) {
   StepCall call;
   call.num_lists = amsgrad ? 6 : 5;
-  call.lists[0] = params.vec();
-  call.lists[1] = grads.vec();
-  call.lists[2] = exp_avgs.vec();
-  call.lists[3] = neg_exp_avgs.vec();
-  call.lists[4] = exp_avg_sqs.vec();
-  if (amsgrad) call.lists[5] = max_exp_avg_sqs.vec();
-  call.steps = steps.vec();
+  call.lists[0] = params;
+  call.lists[1] = grads;
+  call.lists[2] = exp_avgs;
+  call.lists[3] = neg_exp_avgs;
+  call.lists[4] = exp_avg_sqs;
+  if (amsgrad) call.lists[5] = max_exp_avg_sqs;
+  call.steps = steps;
   call.hyper = Hyper{beta1, beta2, beta0, eps, weight_decay, maximize};
   call.lr = lr;
   call.lr_tensor = lr_tensor;

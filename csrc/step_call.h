@@ -14,10 +14,11 @@
 namespace pnm {
 
 struct StepCall {
-  // Lists in the table order of multi_tensor_apply.h; num_lists of them are used.
-  std::vector<at::Tensor> lists[6];
+  // Lists in the table order of multi_tensor_apply.h; num_lists of them are used. Views of
+  // the op's arguments (no copies: a StepCall lives only as long as the op call).
+  at::TensorList lists[6];
   int num_lists = 0;
-  std::vector<at::Tensor> steps;
+  at::TensorList steps;
   Hyper hyper{};
   double lr = 0.0;
   std::optional<at::Tensor> lr_tensor, grad_scale, found_inf;
