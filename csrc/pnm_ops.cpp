@@ -3,6 +3,7 @@
 #include <Python.h>
 
 #include <ATen/Parallel.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <algorithm>
@@ -456,6 +457,28 @@ struct StepLists : torch::CustomClassHolder {
               found_inf);
   }
 
+  // The data pointers of params, grads and the first num_buffers buffers (list-major), then
+  // of the step counters, then the params' element counts, as one int64 CPU tensor: what the
+  // Triton kernels' tables hold.
+  at::Tensor pointers(std::vector<at::Tensor> grads, int64_t num_buffers) {
+    TORCH_CHECK(grads.size() == params.size() && num_buffers >= 0 && num_buffers <= 4,
+                "pnm_kernels: StepLists.pointers: ", grads.size(), " grads for ", params.size(),
+                " params, ", num_buffers, " buffers");
+    const std::vector<at::Tensor>* lists[] = {&params, &grads, &buffer0, &buffer1, &buffer2,
+                                              &buffer3};
+    const int64_t n = static_cast<int64_t>(params.size());
+    at::Tensor out = at::empty({(4 + num_buffers) * n}, at::kLong);
+    int64_t* dst = out.data_ptr<int64_t>();
+    for (int64_t l = 0; l < 2 + num_buffers; ++l) {
+      TORCH_CHECK(static_cast<int64_t>(lists[l]->size()) == n,
+                  "pnm_kernels: StepLists.pointers: buffer ", l - 2, " is not held");
+      for (const at::Tensor& t : *lists[l]) *dst++ = reinterpret_cast<intptr_t>(t.data_ptr());
+    }
+    for (const at::Tensor& t : steps) *dst++ = reinterpret_cast<intptr_t>(t.data_ptr());
+    for (const at::Tensor& t : params) *dst++ = t.numel();
+    return out;
+  }
+
  private:
   template <class Fn>
   static c10::TypedOperatorHandle<Fn> find_op(const char* name) {
@@ -494,7 +517,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("pnm_step", &pnm::StepLists::pnm_step)
-      .def("adapnm_step", &pnm::StepLists::adapnm_step);
+      .def("adapnm_step", &pnm::StepLists::adapnm_step)
+      .def("pointers", &pnm::StepLists::pointers);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {

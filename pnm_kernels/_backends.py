@@ -25,9 +25,9 @@ class Batch:
     grads: list = field(default_factory=list)
     buffers: list = field(default_factory=list)  # one list per buffer name
     steps: list = field(default_factory=list)
-    # For a cached batch of the fused backend: a box, shared by the batches of every step,
-    # for the C++ copy of the lists that stay the same (see run_fused).
-    lists_box: Optional[list] = None
+    # For a cached batch: what a backend derives once from the lists that stay the same from
+    # step to step (parameters, buffers, counters), shared by the batches of every step.
+    memo: Optional[dict] = None
 
 
 def _skip_step(found_inf: Optional[torch.Tensor]) -> bool:
@@ -105,19 +105,28 @@ def split_lr(lr, device):
     return 0.0, lr.to(torch.float32)
 
 
+def step_lists(batch):
+    """The C++ copy (pnm_kernels._C's StepLists) of a cached batch's parameters, buffers and
+    counters, made on first use; None without a memo or the extension."""
+    if batch.memo is None or extension_error() is not None:
+        return None
+    lists = batch.memo.get("step_lists")
+    if lists is None:
+        buffers = list(batch.buffers) + [[]] * (4 - len(batch.buffers))
+        lists = batch.memo["step_lists"] = torch.classes.pnm_kernels.StepLists(
+            batch.params, *buffers, batch.steps)
+    return lists
+
+
 def run_fused(adaptive, batch, hp, grad_scale, found_inf):
     device = batch.params[0].device
     emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
     lr, lr_tensor = split_lr(hp["lr"], device)
-    if batch.lists_box is not None and not torch.compiler.is_compiling():
+    if batch.memo is not None and not torch.compiler.is_compiling():
         # Eager steps of a cached batch: parameters, buffers and counters were handed to C++
         # once, and only the gradients cross over from Python. With thousands of small
         # tensors, converting the lists was most of a step's host time.
-        if batch.lists_box[0] is None:
-            buffers = list(batch.buffers) + [[]] * (4 - len(batch.buffers))
-            batch.lists_box[0] = torch.classes.pnm_kernels.StepLists(
-                batch.params, *buffers, batch.steps)
-        lists = batch.lists_box[0]
+        lists = step_lists(batch)
         if adaptive:
             lists.adapnm_step(batch.grads, emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"],
                               hp["eps"], hp["weight_decay"], hp["amsgrad"], hp["decoupled"],

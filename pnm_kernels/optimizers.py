@@ -303,7 +303,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 layout_ok = all(g.is_contiguous() for g in item.grads)
             if layout_ok:
                 return Batch(cached.params, item.grads, cached.buffers, cached.steps,
-                             cached.lists_box), []
+                             cached.memo), []
         names = self._buffers_needed(group)
         batch, writebacks = self._build_batch(group, backend, params, names)
         simple = not writebacks and all(
@@ -313,8 +313,7 @@ class _PositiveNegativeMomentum(Optimizer):
             cache = self.__dict__.setdefault("_batch_cache", {})
             if len(cache) > 64:
                 cache.clear()
-            if backend == "fused":
-                batch.lists_box = [None]
+            batch.memo = {}
             cache[(id(group), backend, names, item.ids)] = (self._state_version(), batch)
         return batch, writebacks
 

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backends import split_lr
+from ._backends import split_lr, step_lists
 from .reference import noise_norm
 
 
@@ -181,8 +181,25 @@ _TABLE_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _TABLE_CACHE_SIZE = 16
 
 
-def _tables(lists, steps, device, chunk):
-    """Device tables for these tensors, rebuilt only when an address or size changed."""
+def _tables(lists, steps, device, chunk, held=None, memo=None):
+    """Device tables for these tensors, rebuilt only when an address or size changed.
+
+    `held` (a StepLists holding this cached batch's parameters, buffers and counters) reads
+    every address in C++ at once: reading them one by one from Python costs more host time
+    than a whole step over thousands of small tensors. Its tables are kept in `memo`."""
+    if held is not None:
+        now = held.pointers(lists[1], len(lists) - 2)
+        entries = memo.setdefault("triton_tables", [])
+        for config, ptrs, tables in entries:
+            if config == (device, chunk) and torch.equal(ptrs, now):
+                return tables
+        flat = now.tolist()  # pointers of every list, of the counters, then sizes
+        n = len(lists[0])
+        tables = _build_tables(flat[:-2 * n], flat[-2 * n:-n], flat[-n:], device, chunk)
+        if len(entries) >= 4:  # gradients at a few alternating addresses are common
+            entries.pop(0)
+        entries.append(((device, chunk), now, tables))
+        return tables
     numels = [t.numel() for t in lists[0]]
     ptrs = [t.data_ptr() for lst in lists for t in lst]
     step_ptrs = [s.data_ptr() for s in steps]
@@ -191,6 +208,13 @@ def _tables(lists, steps, device, chunk):
     if hit is not None:
         _TABLE_CACHE.move_to_end(key)
         return hit
+    tables = _TABLE_CACHE[key] = _build_tables(ptrs, step_ptrs, numels, device, chunk)
+    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
+        _TABLE_CACHE.popitem(last=False)
+    return tables
+
+
+def _build_tables(ptrs, step_ptrs, numels, device, chunk):
     chunk_tensor, chunk_start = [], []
     for i, n in enumerate(numels):
         for s in range(0, n, chunk):
@@ -198,13 +222,9 @@ def _tables(lists, steps, device, chunk):
             chunk_start.append(s)
     as_device = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device)  # noqa: E731
     aligned = all(ptr % 16 == 0 for ptr in ptrs)  # every tensor starts on 16 bytes
-    tables = (as_device(ptrs, torch.int64), as_device(numels, torch.int64),
-              as_device(step_ptrs, torch.int64), as_device(chunk_tensor, torch.int32),
-              as_device(chunk_start, torch.int64), len(chunk_tensor), aligned)
-    _TABLE_CACHE[key] = tables
-    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-        _TABLE_CACHE.popitem(last=False)
-    return tables
+    return (as_device(ptrs, torch.int64), as_device(numels, torch.int64),
+            as_device(step_ptrs, torch.int64), as_device(chunk_tensor, torch.int32),
+            as_device(chunk_start, torch.int64), len(chunk_tensor), aligned)
 
 
 def step(adaptive, batch, hp, grad_scale, found_inf):
@@ -217,8 +237,9 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     lists = [params, batch.grads] + batch.buffers[: (4 if amsgrad else 3) if adaptive else 2]
     config = launch_config(device)
     chunk = config.block * config.iters
+    held = None if torch.compiler.is_compiling() else step_lists(batch)
     ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks, aligned = _tables(
-        lists, batch.steps, device, chunk)
+        lists, batch.steps, device, chunk, held, batch.memo)
     n = len(params)
 
     lr, lr_tensor = split_lr(hp["lr"], device)

@@ -222,6 +222,43 @@ def test_deleting_a_parameters_state_restarts_it(path, name):
     assert_states_close(opt, params, ref, ref_params)
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_parameter_storage_swapped_under_cached_lists(path, name):
+    """`p.data = ...` (as wrappers that re-point parameters do) moves a parameter's memory;
+    the kernels follow it rather than writing where it used to be."""
+    params = make_params([(50,), (3, 3)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    old_storage = None
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        old = ps[0].data
+        ps[0].data = old.clone()
+        if o is opt:
+            old_storage = old.clone(), old
+        train(o, ps, 3, start=3)
+    assert torch.equal(old_storage[0], old_storage[1])  # nothing written to the old memory
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", ["triton"], indirect=True)
+@BOTH
+def test_triton_backend_needs_no_compiled_extension(path, name, monkeypatch):
+    """A Triton-only install (pnm_kernels._C absent) runs the Triton kernels as they are,
+    its tables built from Python."""
+    monkeypatch.setattr(_backends, "extension_error", lambda: "not built, for the test")
+    monkeypatch.setattr(_backends, "first_mismatched_grad", None)
+    params = make_params([(50,), (3, 3), (4097,)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    train(opt, params, 6)
+    train(ref, ref_params, 6)
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @BOTH
 def test_loads_a_checkpoint_in_the_authors_format(name):
     """The authors' optimizers store step as a Python int and know no maximize/backend."""
