@@ -7,8 +7,15 @@
 #include <torch/library.h>
 
 #include <algorithm>
+#include <bit>
 #include <cmath>
+#include <cstdint>
 #include <type_traits>
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define PNM_X86_AVX2 1
+#endif
 
 #include "step_call.h"
 
@@ -190,75 +197,70 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // Fused CPU kernel: one pass over memory, chunks of all tensors spread over threads with
 // at::parallel_for; fp32 loops are written for the compiler's auto-vectoriser (restrict
-// pointers, no branches); fp16/bf16 are converted through small fp32 tiles.
+// pointers, no branches), fp32 and bf16 in place, fp16 through small fp32 tiles.
 
 constexpr int64_t kCpuChunk = 1 << 15;
 constexpr int64_t kCpuTile = 512;
 
+// Element access in fp32 for the storage types the loops run on directly: fp32, and bf16
+// (a shift in, round-to-nearest-even out), both of which the compiler vectorises. fp16 goes
+// through fp32 tiles instead (see cpu_range_body).
+#define PNM_CPU_INLINE inline __attribute__((always_inline))
+
+PNM_CPU_INLINE float load(const float* a, int64_t i) { return a[i]; }
+PNM_CPU_INLINE void store(float* a, int64_t i, float v) { a[i] = v; }
+
+PNM_CPU_INLINE float load(const c10::BFloat16* a, int64_t i) {
+  return std::bit_cast<float>(static_cast<uint32_t>(a[i].x) << 16);
+}
+
+// Rounds to nearest even and makes NaN 0x7FC0: bitwise what c10::BFloat16(float) gives.
+PNM_CPU_INLINE void store(c10::BFloat16* a, int64_t i, float v) {
+  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
+  a[i].x = v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
 // The loops take a local copy of the coefficients: through a reference GCC cannot rule out
 // aliasing with the arrays, and does not vectorise the AdaPNM loop.
-template <bool kDecoupled>
-PNM_HOST_DEVICE void cpu_loop_body(PnmAlgo<kDecoupled>, float* const* x, int64_t n,
-                                   const Coeffs coeffs, float gf) {
-  float* __restrict__ p = x[0];
-  const float* __restrict__ g = x[1];
-  float* __restrict__ m = x[2];
-  const float* __restrict__ m_other = x[3];
+template <bool kDecoupled, typename S>
+PNM_CPU_INLINE void cpu_loop_body(PnmAlgo<kDecoupled>, S* const* x, int64_t n,
+                                  const Coeffs coeffs, float gf) {
+  S* __restrict__ p = x[0];
+  const S* __restrict__ g = x[1];
+  S* __restrict__ m = x[2];
+  const S* __restrict__ m_other = x[3];
   for (int64_t i = 0; i < n; ++i) {
-    float pi = p[i], mi = m[i];
-    pnm_element<kDecoupled>(pi, g[i] * gf, mi, m_other[i], coeffs);
-    p[i] = pi;
-    m[i] = mi;
+    float pi = load(p, i), mi = load(m, i);
+    pnm_element<kDecoupled>(pi, load(g, i) * gf, mi, load(m_other, i), coeffs);
+    store(p, i, pi);
+    store(m, i, mi);
   }
 }
 
 // Arrays as restrict parameters: taken from x[] inside, GCC does not vectorise six of them.
-template <bool kDecoupled, bool kAmsgrad>
-PNM_HOST_DEVICE void adapnm_loop(float* __restrict__ p, const float* __restrict__ g,
-                                 float* __restrict__ m, const float* __restrict__ m_other,
-                                 float* __restrict__ v, float* __restrict__ v_max, int64_t n,
-                                 const Coeffs coeffs, float gf) {
+template <bool kDecoupled, bool kAmsgrad, typename S>
+PNM_CPU_INLINE void adapnm_loop(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ m,
+                                const S* __restrict__ m_other, S* __restrict__ v,
+                                S* __restrict__ v_max, int64_t n, const Coeffs coeffs,
+                                float gf) {
   for (int64_t i = 0; i < n; ++i) {
-    float pi = p[i], mi = m[i], vi = v[i];
-    float vmi = kAmsgrad ? v_max[i] : 0.0f;
-    adapnm_element<kDecoupled, kAmsgrad>(pi, g[i] * gf, mi, m_other[i], vi, vmi, coeffs);
-    p[i] = pi;
-    m[i] = mi;
-    v[i] = vi;
-    if constexpr (kAmsgrad) v_max[i] = vmi;
+    float pi = load(p, i), mi = load(m, i), vi = load(v, i);
+    float vmi = kAmsgrad ? load(v_max, i) : 0.0f;
+    adapnm_element<kDecoupled, kAmsgrad>(pi, load(g, i) * gf, mi, load(m_other, i), vi, vmi,
+                                         coeffs);
+    store(p, i, pi);
+    store(m, i, mi);
+    store(v, i, vi);
+    if constexpr (kAmsgrad) store(v_max, i, vmi);
   }
 }
 
-template <bool kDecoupled, bool kAmsgrad>
-PNM_HOST_DEVICE void cpu_loop_body(AdaPnmAlgo<kDecoupled, kAmsgrad>, float* const* x, int64_t n,
-                                   const Coeffs coeffs, float gf) {
+template <bool kDecoupled, bool kAmsgrad, typename S>
+PNM_CPU_INLINE void cpu_loop_body(AdaPnmAlgo<kDecoupled, kAmsgrad>, S* const* x, int64_t n,
+                                  const Coeffs coeffs, float gf) {
   adapnm_loop<kDecoupled, kAmsgrad>(x[0], x[1], x[2], x[3], x[4], kAmsgrad ? x[5] : nullptr, n,
                                     coeffs, gf);
-}
-
-// The same loop compiled twice: for the x86-64 baseline (SSE2) and for AVX2, picked at run
-// time. No FMA: the CPU kernel stays bitwise equal to the emulated CUDA path, whose tests
-// compare the two.
-template <class Algo>
-void cpu_loop_baseline(float* const* x, int64_t n, const Coeffs& c, float gf) {
-  cpu_loop_body(Algo{}, x, n, c, gf);
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-template <class Algo>
-__attribute__((target("avx2"))) void cpu_loop_avx2(float* const* x, int64_t n, const Coeffs& c,
-                                                    float gf) {
-  cpu_loop_body(Algo{}, x, n, c, gf);
-}
-const bool kHasAvx2 = __builtin_cpu_supports("avx2");
-#endif
-
-template <class Algo>
-void cpu_loop(Algo, float* const* x, int64_t n, const Coeffs& c, float gf) {
-#if defined(__x86_64__) && defined(__GNUC__)
-  if (kHasAvx2) return cpu_loop_avx2<Algo>(x, n, c, gf);
-#endif
-  cpu_loop_baseline<Algo>(x, n, c, gf);
 }
 
 template <typename T, class Algo>
@@ -267,13 +269,48 @@ struct CpuTensorWork {
   Coeffs coeffs;
 };
 
-template <typename T, class Algo>
-void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+// fp16 <-> fp32 for the tiles: c10's conversions, or F16C where the CPU has it.
+PNM_CPU_INLINE void to_float(const c10::Half* src, float* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+PNM_CPU_INLINE void from_float(const float* src, c10::Half* dst, int64_t n) {
+  for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+
+#ifdef PNM_X86_AVX2
+// fp16 with the F16C instructions (every AVX2 CPU has them); IEEE round to nearest even, as
+// c10::Half. Only the AVX2 build of the range loop calls these.
+__attribute__((target("avx2,f16c"))) inline void to_float_f16c(const c10::Half* src, float* dst,
+                                                                int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm_loadu_si128(reinterpret_cast<const __m128i*>(src + i));
+    _mm256_storeu_ps(dst + i, _mm256_cvtph_ps(h));
+  }
+  for (; i < n; ++i) dst[i] = static_cast<float>(src[i]);
+}
+
+__attribute__((target("avx2,f16c"))) inline void from_float_f16c(const float* src,
+                                                                  c10::Half* dst, int64_t n) {
+  int64_t i = 0;
+  for (; i + 8 <= n; i += 8) {
+    const __m128i h = _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst + i), h);
+  }
+  for (; i < n; ++i) dst[i] = static_cast<c10::Half>(src[i]);
+}
+#endif
+
+// One range of one tensor. fp32 and bf16 run the loop in place; fp16 goes through fp32 tiles.
+template <typename T, class Algo, bool kAvx2>
+PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end,
+                                   float gf) {
   constexpr int L = Algo::kLists;
-  if constexpr (std::is_same_v<T, float>) {
-    float* x[L];
+  if constexpr (!std::is_same_v<T, c10::Half>) {
+    T* x[L];
     for (int l = 0; l < L; ++l) x[l] = w.ptr[l] + begin;
-    cpu_loop(Algo{}, x, end - begin, w.coeffs, gf);
+    cpu_loop_body(Algo{}, x, end - begin, w.coeffs, gf);
   } else {
     float tile[L][kCpuTile];
     float* x[L];
@@ -281,17 +318,52 @@ void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, floa
     for (int64_t t0 = begin; t0 < end; t0 += kCpuTile) {
       const int64_t n = std::min(kCpuTile, end - t0);
       for (int l = 0; l < L; ++l) {
-        const T* src = w.ptr[l] + t0;
-        for (int64_t i = 0; i < n; ++i) tile[l][i] = static_cast<float>(src[i]);
+#ifdef PNM_X86_AVX2
+        if constexpr (kAvx2) {
+          to_float_f16c(w.ptr[l] + t0, tile[l], n);
+          continue;
+        }
+#endif
+        to_float(w.ptr[l] + t0, tile[l], n);
       }
-      cpu_loop(Algo{}, x, n, w.coeffs, gf);
+      cpu_loop_body(Algo{}, x, n, w.coeffs, gf);
       for (int l = 0; l < L; ++l) {
         if (!is_written(l)) continue;
-        T* dst = w.ptr[l] + t0;
-        for (int64_t i = 0; i < n; ++i) dst[i] = static_cast<T>(tile[l][i]);
+#ifdef PNM_X86_AVX2
+        if constexpr (kAvx2) {
+          from_float_f16c(tile[l], w.ptr[l] + t0, n);
+          continue;
+        }
+#endif
+        from_float(tile[l], w.ptr[l] + t0, n);
       }
     }
   }
+}
+
+// The range loop compiled twice: for the x86-64 baseline (SSE2) and for AVX2 (+F16C), picked
+// at run time. No FMA: the CPU kernel stays bitwise equal to the emulated CUDA path, whose
+// tests compare the two.
+template <typename T, class Algo>
+void cpu_range_baseline(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+  cpu_range_body<T, Algo, false>(w, begin, end, gf);
+}
+
+#ifdef PNM_X86_AVX2
+template <typename T, class Algo>
+__attribute__((target("avx2,f16c"))) void cpu_range_avx2(const CpuTensorWork<T, Algo>& w,
+                                                          int64_t begin, int64_t end, float gf) {
+  cpu_range_body<T, Algo, true>(w, begin, end, gf);
+}
+const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+#endif
+
+template <typename T, class Algo>
+void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+#ifdef PNM_X86_AVX2
+  if (kHasAvx2) return cpu_range_avx2<T, Algo>(w, begin, end, gf);
+#endif
+  cpu_range_baseline<T, Algo>(w, begin, end, gf);
 }
 
 template <typename T, class Algo>
