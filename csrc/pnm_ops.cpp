@@ -7,9 +7,9 @@
 #include <torch/library.h>
 
 #include <algorithm>
-#include <bit>
 #include <cmath>
 #include <cstdint>
+#include <cstring>
 #include <type_traits>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -207,16 +207,25 @@ constexpr int64_t kCpuTile = 512;
 // through fp32 tiles instead (see cpu_range_body).
 #define PNM_CPU_INLINE inline __attribute__((always_inline))
 
+// std::bit_cast, which the C++17 that older torch builds extensions with lacks.
+template <class To, class From>
+PNM_CPU_INLINE To bit_cast(From v) {
+  static_assert(sizeof(To) == sizeof(From));
+  To out;
+  std::memcpy(&out, &v, sizeof(To));
+  return out;
+}
+
 PNM_CPU_INLINE float load(const float* a, int64_t i) { return a[i]; }
 PNM_CPU_INLINE void store(float* a, int64_t i, float v) { a[i] = v; }
 
 PNM_CPU_INLINE float load(const c10::BFloat16* a, int64_t i) {
-  return std::bit_cast<float>(static_cast<uint32_t>(a[i].x) << 16);
+  return bit_cast<float>(static_cast<uint32_t>(a[i].x) << 16);
 }
 
 // Rounds to nearest even and makes NaN 0x7FC0: bitwise what c10::BFloat16(float) gives.
 PNM_CPU_INLINE void store(c10::BFloat16* a, int64_t i, float v) {
-  const uint32_t u = std::bit_cast<uint32_t>(v);
+  const uint32_t u = bit_cast<uint32_t>(v);
   const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
   a[i].x = v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
 }
