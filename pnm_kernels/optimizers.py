@@ -368,9 +368,11 @@ class _PositiveNegativeMomentum(Optimizer):
             try:
                 self._run(plan, grad_scale, found_inf)
                 return loss
-            except RuntimeError:
-                if not self._refusal_explained(plan[0]):
-                    raise
+            except RuntimeError as e:
+                refusal = e
+            # Outside the handler: an error naming the culprit is not chained to the refusal.
+            if not self._refusal_explained(plan[0]):
+                raise refusal
             plan = self._plan(defer=False)
         self._run(plan, grad_scale, found_inf)
         return loss
