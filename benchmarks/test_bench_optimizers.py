@@ -3,7 +3,8 @@
     python -m pytest benchmarks/test_bench_optimizers.py --benchmark-only [--benchmark-json out.json]
 
 (tests/ is the default test run; nothing here is collected by it.) Same contenders as
-bench_step.py, on a transformer-shaped set and on 2,000 small tensors, on CUDA when present.
+bench_step.py, on a transformer-shaped set, on 2,000 small tensors and on 2,000 tiny ones
+(host time), on CUDA when present.
 """
 import os
 import sys
@@ -19,7 +20,7 @@ CONTENDERS = {label: factory for label, _, factory in bench_step.contenders(DEVI
               if "torch.compile" not in label}
 
 
-@pytest.fixture(scope="module", params=["transformer", "small2000"])
+@pytest.fixture(scope="module", params=["transformer", "small2000", "tiny2000"])
 def shapes(request):
     return bench_step.SETS[request.param]()
 
