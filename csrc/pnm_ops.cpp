@@ -383,6 +383,8 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
   std::vector<CpuTensorWork<T, Algo>> work(n);
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
+  double coeffs_step = -1.0;  // tensors mostly share a step count: compute its pow()s once
+  Coeffs coeffs{};
   for (int64_t i = 0; i < n; ++i) {
     // Types were checked with the call: the untyped pointers skip a check per tensor.
     const double step = static_cast<double>(*static_cast<float*>(call.steps[i].data_ptr())) + 1.0;
@@ -390,7 +392,11 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
       work[i].ptr[l] = static_cast<T*>(call.lists[l][i].data_ptr());
     }
     if ((static_cast<int64_t>(step) & 1) == 0) std::swap(work[i].ptr[2], work[i].ptr[3]);
-    work[i].coeffs = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
+    if (step != coeffs_step) {
+      coeffs = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
+      coeffs_step = step;
+    }
+    work[i].coeffs = coeffs;
     for (int64_t b = 0; b < call.lists[0][i].numel(); b += kCpuChunk) chunks.emplace_back(i, b);
   }
   at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
