@@ -214,7 +214,18 @@ def _tables(lists, steps, device, chunk, held=None, memo=None):
     return tables
 
 
+def _capturing(device) -> bool:
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
 def _build_tables(ptrs, step_ptrs, numels, device, chunk):
+    if _capturing(device):
+        raise RuntimeError(
+            "pnm_kernels (backend='triton'): the step's tensors are at addresses not seen "
+            "before the CUDA graph capture, and their tables cannot be copied to the GPU "
+            "inside a capture. Keep gradients between steps (zero_grad(set_to_none=False)) "
+            "so the warm-up steps build the tables, or use backend='fused', whose tables "
+            "travel as kernel arguments.")
     chunk_tensor, chunk_start = [], []
     for i, n in enumerate(numels):
         for s in range(0, n, chunk):

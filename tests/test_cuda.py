@@ -8,9 +8,14 @@ from conftest import OPTIMIZERS, assert_states_close, clone_params, make_params,
 pytestmark = requires_cuda
 
 
+@pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name):
+def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_to_none):
+    """set_to_none=True is torch's own recipe (gradients allocated inside the capture); the
+    Triton tables would need a copy inside the capture there and it refuses, saying so."""
+    if backend == "triton" and set_to_none:
+        pytest.skip("Triton: gradients must persist across a capture (see triton_kernels)")
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
               for _ in range(2)]
@@ -21,7 +26,7 @@ def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name):
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
 
     def train_step(model, opt):
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=set_to_none)
         torch.nn.functional.mse_loss(model(x), y).backward()
         opt.step()
 

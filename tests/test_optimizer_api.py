@@ -259,6 +259,24 @@ def test_triton_backend_needs_no_compiled_extension(path, name, monkeypatch):
     assert_states_close(opt, params, ref, ref_params)
 
 
+@pytest.mark.parametrize("path", ["triton"], indirect=True)
+def test_triton_tables_needed_inside_a_graph_capture_raise_clearly(path, monkeypatch):
+    """Tables for new addresses would need a host-to-device copy, which a CUDA graph capture
+    forbids: the step says so (and what to do) instead of failing inside CUDA."""
+    from pnm_kernels import triton_kernels
+
+    params = make_params([(5,), (3, 2)])
+    opt = PNM(params, backend=path)
+    train(opt, params, 2)
+    monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
+    for p in params:  # gradients kept, as zero_grad(set_to_none=False) keeps them
+        p.grad.fill_(0.5)
+    opt.step()  # same addresses as in the last step: its tables are used as they are
+    params[0].grad = torch.ones(5, device=DEVICE)  # a new address
+    with pytest.raises(RuntimeError, match="set_to_none=False"):
+        opt.step()
+
+
 @BOTH
 def test_loads_a_checkpoint_in_the_authors_format(name):
     """The authors' optimizers store step as a Python int and know no maximize/backend."""
