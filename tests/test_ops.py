@@ -119,7 +119,7 @@ def test_bad_scalars_raise_in_cpp(kw, message):
 
 @pytest.mark.parametrize("limits", [(64, 1, 1), (64, 2, 3), (128, 400, 2), (0, 0, 0)],
                          ids=["one-block-launches", "small-tables", "split-tensor", "defaults"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(limits, dtype):
     """Many tensors per launch, tensors cut across launches, vector and masked paths: the
     CUDA block body gives bitwise what the fused CPU kernel gives (same maths header)."""
@@ -180,3 +180,27 @@ def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
     # table 0 holds tensor 0's block and the first 1,279 chunks of tensor 1; 25 more follow
     assert len({table for table, _ in big}) == 1 + -(-(32769 - 1279) // 1280) == 26
     assert plan[-1][1:] == (2, 0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype):
+    """The CPU kernel converts fp16/bf16 with its own vectorised code; the emulated CUDA body
+    uses c10's conversions. Ties, overflow to inf, subnormals, NaN and inf come out the same
+    bit for bit."""
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), info.max, -info.max,
+                             info.tiny, info.tiny / 4, 0.0, -0.0, 1.0, 1 + info.eps / 2, 3e38])
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.cat([specials, torch.randn(500, generator=gen) * 1e4]).to(dtype)]
+    runs = {}
+    for op in ("pnm_step_", "emulated_cuda_pnm_step_"):
+        params = [torch.randn(512, generator=torch.Generator().manual_seed(1)).to(dtype)]
+        bufs = [[torch.zeros_like(params[0])], [torch.ones_like(params[0])]]
+        steps = [torch.zeros(())]
+        for _ in range(3):
+            getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps,
+                                               **pnm_kwargs(lr=1e3, beta1=0.5))
+        runs[op] = [params[0], bufs[0][0], bufs[1][0]]
+    for x, y in zip(runs["pnm_step_"], runs["emulated_cuda_pnm_step_"]):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    assert runs["pnm_step_"][0].isnan().any()  # the specials did reach the stored values
