@@ -1,7 +1,9 @@
 """PNM and AdaPNM as torch.optim.Optimizer subclasses: validate, group tensors by device and
 dtype, and hand each batch to a backend (see _backends.py)."""
+import itertools
 import math
 import numbers
+import operator
 from dataclasses import dataclass
 from typing import Optional
 
@@ -201,11 +203,14 @@ class _PositiveNegativeMomentum(Optimizer):
                 validated[id(group)] = signature
             params = group["params"]
             grads = [p.grad for p in params]
-            indices = [i for i, g in enumerate(grads) if g is not None]
+            if all(map(operator.is_not, grads, itertools.repeat(None))):  # the common case
+                indices = range(len(params))
+                ids = tuple(map(id, params))
+            else:
+                indices = [i for i, g in enumerate(grads) if g is not None]
+                ids = tuple(id(params[i]) for i in indices)
             if not indices:
                 continue
-            ids = (tuple(map(id, params)) if len(indices) == len(params)
-                   else tuple(id(params[i]) for i in indices))
             key = (id(group), group["backend"], ids)
             grouping = cache.get(key)
             found.append((gi, group, key, grouping, grouping is not None, grads, indices))
