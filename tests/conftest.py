@@ -79,6 +79,15 @@ def clone_params(params):
     return [p.detach().clone().requires_grad_() for p in params]
 
 
+def with_reference(name, backend, shapes, lr=1e-2):
+    """(optimizer, params, reference optimizer, its params): the same starting parameters,
+    one run on `backend`, one on the reference, to be compared after the same steps."""
+    params = make_params(shapes)
+    ref_params = clone_params(params)
+    return (OPTIMIZERS[name](params, lr=lr, backend=backend), params,
+            OPTIMIZERS[name](ref_params, lr=lr, backend="reference"), ref_params)
+
+
 def grads_for_step(params, step, seed=1, skip_every=0):
     """Deterministic gradients; with skip_every, some parameters get none on some steps."""
     gen = torch.Generator().manual_seed(seed * 100003 + step)

@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import (FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, make_params,
-                      train)
+                      train, with_reference)
 
 B1 = 0.9
 B0_VALUES = [1.0, 0.0, -B1 / (1 + B1), 3.0]
@@ -67,10 +67,8 @@ def test_maximize_and_misaligned_storage(path, name):
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_default_launch_limits(path, name):
     """The production chunking (no test limits) on a tensor that spans several chunks."""
-    params = make_params([(70001,), (5,)] if path != "triton" else [(1000,), (5,)])
-    ref_params = clone_params(params)
-    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
-    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    shapes = [(70001,), (5,)] if path != "triton" else [(1000,), (5,)]
+    opt, params, ref, ref_params = with_reference(name, path, shapes)
     train(opt, params, 4)
     train(ref, ref_params, 4)
     assert_states_close(opt, params, ref, ref_params)

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
-                      grads_for_step, make_params, train)
+                      grads_for_step, make_params, train, with_reference)
 from pnm_kernels import PNM, AdaPNM, available_backends
 from pnm_kernels import _backends
 from pnm_kernels.reference import noise_norm
@@ -210,10 +210,7 @@ def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name)
 def test_deleting_a_parameters_state_restarts_it(path, name):
     """`del opt.state[p]` (as after re-initialising a layer) gives p fresh state at its next
     step, as with torch's optimizers; the other parameters carry on."""
-    params = make_params([(50,), (3, 3), (7,)])
-    ref_params = clone_params(params)
-    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
-    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
     for o, ps in ((opt, params), (ref, ref_params)):
         train(o, ps, 3)
         del o.state[ps[1]]
@@ -227,10 +224,7 @@ def test_deleting_a_parameters_state_restarts_it(path, name):
 def test_parameter_storage_swapped_under_cached_lists(path, name):
     """`p.data = ...` (as wrappers that re-point parameters do) moves a parameter's memory;
     the kernels follow it rather than writing where it used to be."""
-    params = make_params([(50,), (3, 3)])
-    ref_params = clone_params(params)
-    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
-    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3)])
     old_storage = None
     for o, ps in ((opt, params), (ref, ref_params)):
         train(o, ps, 3)
@@ -250,10 +244,7 @@ def test_triton_backend_needs_no_compiled_extension(path, name, monkeypatch):
     its tables built from Python."""
     monkeypatch.setattr(_backends, "extension_error", lambda: "not built, for the test")
     monkeypatch.setattr(_backends, "first_mismatched_grad", None)
-    params = make_params([(50,), (3, 3), (4097,)])
-    ref_params = clone_params(params)
-    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
-    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (4097,)])
     train(opt, params, 6)
     train(ref, ref_params, 6)
     assert_states_close(opt, params, ref, ref_params)
@@ -507,10 +498,7 @@ def test_bad_gradient_after_cached_steps_is_still_caught(name, native_check, mon
 def test_gradients_laid_out_unlike_their_parameters_after_cached_steps(path, name):
     """A transposed gradient for a contiguous parameter, arriving after the tensor lists were
     cached, is copied densely for the kernels; later contiguous gradients use the cache."""
-    params = make_params([(4, 6), (5,), (3, 2)])
-    ref_params = clone_params(params)
-    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
-    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    opt, params, ref, ref_params = with_reference(name, path, [(4, 6), (5,), (3, 2)])
     for t in range(8):
         for ps in (params, ref_params):
             gen = torch.Generator().manual_seed(t)
