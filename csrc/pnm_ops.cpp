@@ -40,6 +40,13 @@ bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
   return true;
 }
 
+// What the kernels need of every list: dense, and laid out like the parameter. Both
+// contiguous is the common case, answered from cached flags.
+bool dense_like(const at::Tensor& t, const at::Tensor& p) {
+  return (t.is_contiguous() && p.is_contiguous()) ||
+         (t.is_non_overlapping_and_dense() && same_layout_as(t, p));
+}
+
 void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
                          const c10::Device& device, bool cpu_allowed) {
   if (!t.has_value()) return;
@@ -90,10 +97,9 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   " (one call takes one dtype; group tensors by dtype)");
       TORCH_CHECK(t.sizes() == p.sizes(), "pnm_kernels: ", names[l], "[", i, "] has shape ",
                   t.sizes(), " but params[", i, "] has shape ", p.sizes());
-      TORCH_CHECK((t.is_contiguous() && p.is_contiguous()) ||  // the common case, cheaply
-                      (t.is_non_overlapping_and_dense() && same_layout_as(t, p)),
-                  "pnm_kernels: ", names[l], "[", i, "] must be dense and laid out like params[",
-                  i, "] (strides ", t.strides(), " vs ", p.strides(), ")");
+      TORCH_CHECK(dense_like(t, p), "pnm_kernels: ", names[l], "[", i,
+                  "] must be dense and laid out like params[", i, "] (strides ", t.strides(),
+                  " vs ", p.strides(), ")");
     }
     const at::Tensor& s = call.steps[i];
     TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat &&
@@ -311,6 +317,23 @@ __attribute__((target("avx2,f16c"))) inline void from_float_f16c(const float* sr
 }
 #endif
 
+// The tiles' conversions for the build at hand: F16C in the AVX2 build, c10's otherwise.
+template <bool kAvx2>
+PNM_CPU_INLINE void tile_in(const c10::Half* src, float* dst, int64_t n) {
+#ifdef PNM_X86_AVX2
+  if constexpr (kAvx2) return to_float_f16c(src, dst, n);
+#endif
+  to_float(src, dst, n);
+}
+
+template <bool kAvx2>
+PNM_CPU_INLINE void tile_out(const float* src, c10::Half* dst, int64_t n) {
+#ifdef PNM_X86_AVX2
+  if constexpr (kAvx2) return from_float_f16c(src, dst, n);
+#endif
+  from_float(src, dst, n);
+}
+
 // One range of one tensor. fp32 and bf16 run the loop in place; fp16 goes through fp32 tiles.
 template <typename T, class Algo, bool kAvx2>
 PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end,
@@ -326,25 +349,10 @@ PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begi
     for (int l = 0; l < L; ++l) x[l] = tile[l];
     for (int64_t t0 = begin; t0 < end; t0 += kCpuTile) {
       const int64_t n = std::min(kCpuTile, end - t0);
-      for (int l = 0; l < L; ++l) {
-#ifdef PNM_X86_AVX2
-        if constexpr (kAvx2) {
-          to_float_f16c(w.ptr[l] + t0, tile[l], n);
-          continue;
-        }
-#endif
-        to_float(w.ptr[l] + t0, tile[l], n);
-      }
+      for (int l = 0; l < L; ++l) tile_in<kAvx2>(w.ptr[l] + t0, tile[l], n);
       cpu_loop_body(Algo{}, x, n, w.coeffs, gf);
       for (int l = 0; l < L; ++l) {
-        if (!is_written(l)) continue;
-#ifdef PNM_X86_AVX2
-        if constexpr (kAvx2) {
-          from_float_f16c(tile[l], w.ptr[l] + t0, n);
-          continue;
-        }
-#endif
-        from_float(tile[l], w.ptr[l] + t0, n);
+        if (is_written(l)) tile_out<kAvx2>(tile[l], w.ptr[l] + t0, n);
       }
     }
   }
@@ -464,9 +472,7 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool 
     if (!g.defined() || g.layout() != at::kStrided || p.layout() != at::kStrided ||
         p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
         g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
-        !g.sizes().equals(p.sizes()) ||
-        (same_layout && !(g.is_contiguous() && p.is_contiguous()) &&
-         !(g.is_non_overlapping_and_dense() && same_layout_as(g, p)))) {
+        !g.sizes().equals(p.sizes()) || (same_layout && !dense_like(g, p))) {
       return static_cast<int64_t>(i);
     }
   }
