@@ -97,6 +97,11 @@ def _check_param(param, gi, pi) -> None:
         raise RuntimeError(f"{_describe(param, gi, pi)} is sparse; not supported")
 
 
+def _is_plain(t) -> bool:
+    """A plain tensor or Parameter, not a subclass such as DTensor."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
 def _pick(params, grads, indices):
     """The parameters and gradients at these indices (the lists themselves when all)."""
     if len(indices) == len(params):
@@ -259,7 +264,7 @@ class _PositiveNegativeMomentum(Optimizer):
                     raise type(e)(f"{_describe(p, gi, pi)}: {e}") from None
                 batches[key] = (backend, [], [True])
             batches[key][1].append(pi)
-            if type(p) not in (torch.Tensor, torch.nn.Parameter) or type(p.grad) is not torch.Tensor:
+            if not _is_plain(p) or type(p.grad) is not torch.Tensor:
                 batches[key][2][0] = False  # tensor subclasses (DTensor) stay out of the C++ check
         return [(backend, idx, plain[0]) for backend, idx, plain in batches.values()]
 
@@ -289,10 +294,12 @@ class _PositiveNegativeMomentum(Optimizer):
             layouts.append(layout)
         return layouts
 
+    def _batch_key(self, group, backend, ids):
+        return (id(group), backend, self._buffers_needed(group), ids)
+
     def _cached_batch(self, group, backend, ids):
         """The cached tensor lists of a batch (gradients left out), if still valid."""
-        names = self._buffers_needed(group)
-        hit = self.__dict__.get("_batch_cache", {}).get((id(group), backend, names, ids))
+        hit = self.__dict__.get("_batch_cache", {}).get(self._batch_key(group, backend, ids))
         return hit[1] if hit is not None and hit[0] == self._state_version() else None
 
     def _batch(self, item):
@@ -312,14 +319,13 @@ class _PositiveNegativeMomentum(Optimizer):
         names = self._buffers_needed(group)
         batch, writebacks = self._build_batch(group, backend, params, names)
         simple = not writebacks and all(
-            type(p) in (torch.Tensor, torch.nn.Parameter) and not p.is_complex()
-            and p.is_contiguous() for p in params)
+            _is_plain(p) and not p.is_complex() and p.is_contiguous() for p in params)
         if simple and backend in _backends.FLAT_BACKENDS:
             cache = self.__dict__.setdefault("_batch_cache", {})
             if len(cache) > 64:
                 cache.clear()
             batch.memo = {}
-            cache[(id(group), backend, names, item.ids)] = (self._state_version(), batch)
+            cache[self._batch_key(group, backend, item.ids)] = (self._state_version(), batch)
         return batch, writebacks
 
     def _state_version(self):
