@@ -141,16 +141,23 @@ def synchronize(device):
 
 
 def copy_bandwidth(device, numel, repeats=10):
-    """Measured read+write bandwidth of a large device-to-device copy, in GB/s."""
+    """Measured read+write bandwidth of a large device-to-device copy, in GB/s (CUDA events
+    on a GPU, where a host clock around a millisecond copy would add its own overhead)."""
     src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.zeros_like(src)  # touched: no page faults inside the timed copies
     times = []
     for _ in range(repeats + 2):
-        synchronize(device)
-        t0 = time.perf_counter()
-        dst.copy_(src)
-        synchronize(device)
-        times.append(time.perf_counter() - t0)
+        if device == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            dst.copy_(src)
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            dst.copy_(src)
+            times.append(time.perf_counter() - t0)
     return 2 * src.numel() * 4 / statistics.median(times[2:]) / 1e9
 
 
@@ -186,19 +193,24 @@ def fits_in_memory(family_bytes, numel, dtype, device):
 
 
 def timed_steps(opt, device, steps):
-    """Seconds per step: CUDA events on a GPU, the wall clock on a CPU."""
+    """(seconds per step, host seconds per step). On a GPU the first is measured with CUDA
+    events and the second is the time the host took to issue the steps (what a step over many
+    small tensors is bound by); on a CPU they are the same wall-clock time."""
     if device == "cuda":
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
+        t0 = time.perf_counter()
         for _ in range(steps):
             opt.step()
+        host = time.perf_counter() - t0
         stop.record()
         stop.synchronize()
-        return start.elapsed_time(stop) / 1e3 / steps
+        return start.elapsed_time(stop) / 1e3 / steps, host / steps
     t0 = time.perf_counter()
     for _ in range(steps):
         opt.step()
-    return (time.perf_counter() - t0) / steps
+    t = (time.perf_counter() - t0) / steps
+    return t, t
 
 
 def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
@@ -213,8 +225,9 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
                      error="skipped: does not fit in this device's memory")]
     entries = []
     for label, family, factory in contenders(device):
-        if label.endswith("[reference]") and numel > (64 << 20):
-            continue  # the eager per-parameter loop at this size only measures the host
+        if label.endswith("[reference]") and (numel > (64 << 20) or
+                                              (device == "cuda" and len(shapes) > 200)):
+            continue  # the eager per-parameter loop here only measures the host (and takes long)
         if "torch.compile" in label and (len(shapes) > 200 or skip_compiled):
             continue  # compiling a step over thousands of tensors takes minutes
         entries.append((label, family, factory))
@@ -233,7 +246,8 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
             synchronize(device)
         except Exception as e:  # noqa: BLE001  (a contender that cannot run here is reported)
             return dict(label=label, family=family, error=f"{type(e).__name__}: {e}")
-        return dict(label=label, family=family, opt=opt, times=[], interleaved=interleaved,
+        return dict(label=label, family=family, opt=opt, times=[], host_times=[],
+                    interleaved=interleaved,
                     state_bytes=sum(t.numel() * t.element_size() for st in opt.state.values()
                                     for t in st.values() if torch.is_tensor(t)))
 
@@ -243,14 +257,18 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         for r in range(rounds):  # every contender once per round, the order reversed every
             for run in (runs if r % 2 == 0 else runs[::-1]):  # other round: no one always first
                 if "opt" in run:
-                    run["times"].append(timed_steps(run["opt"], device, steps_per_round))
+                    t, host = timed_steps(run["opt"], device, steps_per_round)
+                    run["times"].append(t)
+                    run["host_times"].append(host)
             progress.advance(name)
     else:
         for i, entry in enumerate(entries):
             run = start(*entry)
             if "opt" in run:
-                run["times"] = [timed_steps(run["opt"], device, steps_per_round)
-                                for _ in range(rounds)]
+                for _ in range(rounds):
+                    t, host = timed_steps(run["opt"], device, steps_per_round)
+                    run["times"].append(t)
+                    run["host_times"].append(host)
                 del run["opt"]  # free its state before the next contender
                 if device == "cuda":
                     torch.cuda.empty_cache()
@@ -266,6 +284,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         else:
             t = statistics.median(run["times"])
             row.update(ms=t * 1e3, times_ms=[x * 1e3 for x in run["times"]],
+                       host_ms=statistics.median(run["host_times"]) * 1e3,
                        gbps=BYTES_PER_ELEMENT[run["family"]] * scale * numel / t / 1e9,
                        state_bytes=run["state_bytes"], paired=run["interleaved"])
         results.append(row)
@@ -322,17 +341,20 @@ def machine_info(device, args):
 
 
 def write_table(results, copy_gbps, info):
+    gpu = info["device"] == "cuda"  # there the host's time to issue a step is its own column
     lines = [f"Device: {info.get('gpu') or info['cpu']} ({info['device']}, {info['threads']} threads), "
              f"torch {info['torch']}, triton {info['triton']}; copy bandwidth {copy_gbps:.1f} GB/s",
-             "", "| set | optimizer | ms/step | eff. GB/s | % of copy BW | vs reference | "
-             "time vs torch fused | GB/s vs torch fused | state MiB |",
-             "|---|---|---|---|---|---|---|---|---|"]
+             "", "| set | optimizer | ms/step |" + (" host ms/step |" if gpu else "") +
+             " eff. GB/s | % of copy BW | vs reference | time vs torch fused | GB/s vs torch fused |"
+             " state MiB |", "|---|---|---|" + ("---|" if gpu else "") + "---|---|---|---|---|---|"]
     fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['set']} | {r['label']} | {r['error'][:70]} |||||||")
+            lines.append(f"| {r['set']} | {r['label']} | {r['error'][:70]} |||||||" + ("|" if gpu else ""))
             continue
-        lines.append(f"| {r['set']} | {r['label']} | {r['ms']:.3f} | {r['gbps']:.1f} | "
+        lines.append(f"| {r['set']} | {r['label']} | {r['ms']:.3f} | " +
+                     (f"{r['host_ms']:.3f} | " if gpu else "") +
+                     f"{r['gbps']:.1f} | "
                      f"{100 * r['gbps'] / copy_gbps:.0f}% | {fmt(r, 'speedup_vs_reference', '%.1fx')} | "
                      f"{fmt(r, 'time_vs_torch_fused', '%.2f')} | {fmt(r, 'gbps_vs_torch_fused', '%.2f')} | "
                      f"{r['state_bytes'] / 2**20:.0f} |")
@@ -396,7 +418,8 @@ def main(argv=None):
         if n not in SETS:
             parser.error(f"unknown set {n!r}; choose from {', '.join(SETS)}")
     rounds = args.rounds or (3 if args.quick else 15)
-    steps_per_round = 2 if args.quick else 3
+    # On a GPU a round is timed with events, so more steps cost little and steady the small sets.
+    steps_per_round = 2 if args.quick else (10 if device == "cuda" else 3)
     info = machine_info(device, args)
     copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
                                else (256 << 20))

@@ -1,39 +1,63 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (see the device tool's README): build for the chip, run the
-# test suite on CUDA tensors, compute-sanitizer memcheck on a small step, then the benchmark.
-# Everything worth keeping lands in $OUT (default benchmarks/results/gpu): copy it into
-# benchmarks/results/ and commit it with the device, versions and this command.
-#   bash benchmarks/gpu_check.sh [all|tests|bench|full-bench]
-# "all" (default) = tests then the quick benchmark; each stage builds first (a no-op when the
-# extension is already built). Split the stages across calls if one call's time limit is short.
+# test suite on CUDA tensors, the benchmarks, compute-sanitizer memcheck on a small step and the
+# GPT/FSDP2 example. Every stage has a time limit inside one overall deadline, so the call
+# always ends with its logs packed: $OUT/gpu_check.tgz (default OUT=benchmarks/results/gpu).
+# Unpack it into benchmarks/results/ and commit it with the device, versions and this command.
+#   bash benchmarks/gpu_check.sh [DEADLINE_SECONDS]   (default 450)
 set -uo pipefail
 cd "$(dirname "$0")/.."
-MODE="${1:-all}"
-OUT="${OUT:-benchmarks/results/gpu}"
-mkdir -p "$OUT"
+DEADLINE=$((SECONDS + ${1:-450}))
+DEST="${OUT:-benchmarks/results/gpu}"
+WORK="$(mktemp -d)"
+mkdir -p "$DEST"
+export PYTHONUNBUFFERED=1
+
+pack() { tar -czf "$DEST/gpu_check.tgz" -C "$WORK" . ; }
+# stage NAME LIMIT COMMAND...: runs COMMAND with its output in NAME.log, for at most LIMIT
+# seconds and never past the deadline; records its exit code and time in summary.txt.
+stage() {
+  local name=$1 limit=$2; shift 2
+  local left=$((DEADLINE - SECONDS))
+  (( left < limit )) && limit=$left
+  if (( limit < 10 )); then echo "$name: not run (deadline)" | tee -a "$WORK/summary.txt"; return 1; fi
+  local t0=$SECONDS
+  timeout -k 5 "$limit" "$@" > "$WORK/$name.log" 2>&1
+  local rc=$?
+  echo "$name: exit $rc after $((SECONDS - t0)) s (limit $limit s)" | tee -a "$WORK/summary.txt"
+  pack
+  return $rc
+}
+
 {
-  nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv
+  nvidia-smi --query-gpu=name,driver_version,memory.total,clocks.sm,clocks.mem --format=csv
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  python3 --version
   nvcc --version | tail -2
-} 2>&1 | tee "$OUT/versions.txt"
+  echo "command: bash benchmarks/gpu_check.sh $*"
+} > "$WORK/versions.txt" 2>&1
+cat "$WORK/versions.txt"
 
-echo "== build (sm_90)"
-TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS="${MAX_JOBS:-16}" python3 -m pip install -q --no-build-isolation -e . \
-  > "$OUT/build.log" 2>&1 || { tail -30 "$OUT/build.log"; exit 1; }
+stage build 200 env TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 python3 -m pip install -v --no-build-isolation --no-deps -e . || { tail -30 "$WORK/build.log"; exit 1; }
 
-if [ "$MODE" = all ] || [ "$MODE" = tests ]; then
-echo "== tests on CUDA"
-python3 -m pytest tests -q --maxfail=20 -p no:cacheprovider > "$OUT/tests.log" 2>&1
-echo "tests exit code $?"; tail -3 "$OUT/tests.log"
+stage tests 170 python3 -m pytest tests -q -rfE --tb=short -n 8 --dist loadfile --timeout 150 \
+  -p no:cacheprovider
+tail -4 "$WORK/tests.log"
 
-echo "== compute-sanitizer memcheck"
-cat > "$OUT/sanitize_step.py" <<'PY'
+SETS_F32=tiny2000,small2000,resnet50,transformer,gpt2-124m,llama-1b,flat1M,flat16M,flat64M,flat256M,flat1024M
+stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SETS_F32" --rounds 9 \
+  --no-compiled-reference --out "$WORK"
+stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
+  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled-reference --out "$WORK"
+
+cat > "$WORK/sanitize_step.py" <<'PY'
 import torch
 from pnm_kernels import PNM, AdaPNM
 for dtype in (torch.float32, torch.bfloat16):
     for opt_cls in (PNM, AdaPNM):
         for backend in ("fused", "triton"):
-            ps = [torch.randn(s, device="cuda", dtype=dtype).requires_grad_() for s in [(1,), (3,), (4097,), (70001,), (33, 5)]]
+            ps = [torch.randn(s, device="cuda", dtype=dtype).requires_grad_()
+                  for s in [(1,), (3,), (4097,), (70001,), (33, 5)]]
             odd = torch.randn(1001, device="cuda", dtype=dtype)[1:].requires_grad_()  # misaligned
             opt = opt_cls(ps + [odd], lr=1e-3, backend=backend)
             for _ in range(3):
@@ -43,15 +67,17 @@ for dtype in (torch.float32, torch.bfloat16):
 torch.cuda.synchronize()
 print("sanitized step ran")
 PY
-compute-sanitizer --tool memcheck --error-exitcode 3 python3 "$OUT/sanitize_step.py" > "$OUT/memcheck.log" 2>&1
-echo "memcheck exit code $?"; tail -3 "$OUT/memcheck.log"
-fi
-[ "$MODE" = tests ] && exit 0
+SANITIZER="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
+stage memcheck 80 "$SANITIZER" --tool memcheck --error-exitcode 3 python3 "$WORK/sanitize_step.py"
+stage gpt_fsdp2 100 python3 benchmarks/gpt_fsdp2.py --steps 20 --warmup 3
 
-echo "== benchmark"
-if [ "$MODE" = full-bench ]; then
-  python3 benchmarks/bench_step.py --device cuda --out "$OUT" 2> "$OUT/bench.err"
-else
-  python3 benchmarks/bench_step.py --device cuda --sets tiny2000,small2000,transformer,gpt2-124m,flat64M,flat256M,flat1024M --rounds 5 --no-compiled-reference --out "$OUT" 2> "$OUT/bench.err"
-fi
-python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 --sets transformer,flat256M --rounds 5 --no-compiled-reference --out "$OUT" 2>> "$OUT/bench.err" | tail -25
+echo "== summary"
+cat "$WORK/summary.txt"
+grep -E "passed|failed" "$WORK/tests.log" | tail -3
+grep -E "^(FAILED|ERROR)" "$WORK/tests.log" | head -30
+for f in "$WORK"/bench_step-cuda-*.md; do
+  [ -f "$f" ] && head -1 "$f" && grep -E "\[(fused|triton)\]" "$f" | cut -c1-150
+done
+tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
+tail -3 "$WORK/memcheck.log" 2>/dev/null
+pack
