@@ -38,7 +38,11 @@ stage() {
 } > "$WORK/versions.txt" 2>&1
 cat "$WORK/versions.txt"
 
-stage build 200 env TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 python3 -m pip install -v --no-build-isolation --no-deps -e . || { tail -30 "$WORK/build.log"; exit 1; }
+# In place, not `pip install -e`: the device image's pip 24 runs `setup.py develop`, which
+# newer setuptools hands back to pip with build isolation, which needs the (absent) internet.
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+stage build 200 env TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 python3 setup.py build_ext --inplace \
+  || { tail -30 "$WORK/build.log"; exit 1; }
 
 stage tests 170 python3 -m pytest tests -q -rfE --tb=short -n 8 --dist loadfile --timeout 150 \
   -p no:cacheprovider
