@@ -26,6 +26,12 @@ with_cuda = os.environ.get("PNM_KERNELS_NO_CUDA", "0") != "1" and (
 )
 
 cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
+# The C++ runtime must be torch's own shared libstdc++: a compiler wrapper that links it
+# statically (as one GPU image's CXX does) gives the extension a private copy whose streams
+# and locales clash with torch's, and formatting an error message then crashes. Naming the
+# shared library first, whatever the driver appends later, keeps one runtime in the process.
+link_flags = ["-fopenmp", "-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++",
+              "-Wl,--pop-state"]
 sources = ["csrc/pnm_ops.cpp"]
 if with_cuda:
     sources.append("csrc/pnm_cuda.cu")
@@ -37,11 +43,11 @@ if with_cuda:
             # Kernel arguments above 4 KiB (our launch tables) need CUDA >= 12.1.
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
         },
-        extra_link_args=["-fopenmp"],
+        extra_link_args=link_flags,
     )
 else:
     extension = CppExtension(
-        "pnm_kernels._C", sources, extra_compile_args=cxx_flags, extra_link_args=["-fopenmp"]
+        "pnm_kernels._C", sources, extra_compile_args=cxx_flags, extra_link_args=link_flags
     )
 
 setup(
