@@ -101,9 +101,14 @@ def _shard(model, offload=False):
     """FSDP2 per Linear layer and at the root; with offload, the sharded parameters, their
     gradients and the optimizer step live on the CPU (ZeRO-Offload style: the step runs in
     the fused CPU kernel). Pinned memory needs a GPU driver, so it is off here."""
+    from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
+    # A CPU mesh named explicitly: by default FSDP2 puts the mesh on the accelerator when
+    # one exists, and these gloo ranks keep their model on the CPU.
+    mesh = init_device_mesh("cpu", (WORLD,))
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
+    policy["mesh"] = mesh
     for layer in model:
         if isinstance(layer, torch.nn.Linear):
             fully_shard(layer, **policy)

@@ -121,7 +121,7 @@ def test_mixed_dtypes_complex_and_odd_layouts_in_one_group(path, name):
         torch.randn(5, generator=gen, dtype=torch.complex64),
         torch.randn(6, 4, generator=gen).t(),                                   # transposed
         torch.randn(2, 3, 4, 5, generator=gen).to(memory_format=torch.channels_last),
-        base[:, ::3],                                                          # not dense
+        base.to(DEVICE)[:, ::3],                                 # not dense (sliced on the device)
         torch.randn((), generator=gen),
         torch.randn(0, generator=gen),
     ]
@@ -302,7 +302,7 @@ def test_deepcopy_is_independent(name):
     twin_param = twin.param_groups[0]["params"][0]
     torch.testing.assert_close(twin.state[twin_param]["exp_avg" if name == "AdaPNM" else "pos_momentum"],
                                opt.state[params[0]]["exp_avg" if name == "AdaPNM" else "pos_momentum"])
-    twin_param.grad = torch.ones(5)
+    twin_param.grad = torch.ones_like(twin_param)
     twin.step()
     assert opt.state[params[0]]["step"].item() == 3
 
@@ -366,7 +366,7 @@ def test_invalid_value_set_after_construction_raises_at_step_before_any_change(n
     params = make_params([(4,)])
     opt = OPTIMIZERS[name](params)
     opt.param_groups[0]["lr"] = float("nan")
-    params[0].grad = torch.ones(4)
+    params[0].grad = torch.ones_like(params[0])
     before = params[0].detach().clone()
     with pytest.raises(ValueError, match=r"param_groups\[0\].*lr"):
         opt.step()
