@@ -266,7 +266,12 @@ class _PositiveNegativeMomentum(Optimizer):
             batches[key][1].append(pi)
             if not _is_plain(p) or type(p.grad) is not torch.Tensor:
                 batches[key][2][0] = False  # tensor subclasses (DTensor) stay out of the C++ check
-        return [(backend, idx, plain[0]) for backend, idx, plain in batches.values()]
+        out = []
+        for (device, dtype), (backend, idx, plain) in batches.items():
+            if group["backend"] == "auto" and backend == "fused":  # may depend on the count
+                backend = _backends.resolve_backend("auto", device, dtype.to_real(), len(idx))
+            out.append((backend, idx, plain[0]))
+        return out
 
     @staticmethod
     def _check_grads(batches, params, grads, gi):
