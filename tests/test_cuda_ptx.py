@@ -1,6 +1,7 @@
 """What can be checked of the CUDA kernels without a GPU, beyond their emulated execution:
-compiled for sm_90, every kernel moves data with 128-bit loads and stores and keeps its
-launch table in parameter memory (no local-memory copy of the __grid_constant__ table)."""
+compiled for sm_90, every kernel moves data with 128-bit loads and stores, keeps its launch
+table in parameter memory (no local-memory copy of the __grid_constant__ table) and spills no
+register (ptxas's own report)."""
 import os
 import re
 import shutil
@@ -18,15 +19,21 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_cuda_kernels_use_128_bit_accesses_and_no_local_memory(tmp_path):
     include = os.path.join(os.path.dirname(torch.__file__), "include")
-    ptx = tmp_path / "pnm_cuda.ptx"
-    cmd = [NVCC, "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90", "-ptx",
+    ptx = tmp_path / "pnm_cuda.ptx"  # kept from the one compilation to machine code
+    cmd = [NVCC, "-std=c++20", "-O3", "--expt-relaxed-constexpr", "-arch=sm_90", "-cubin",
+           "-Xptxas", "-v", "--keep", f"--keep-dir={tmp_path}",
            f"-I{include}", f"-I{include}/torch/csrc/api/include",
            f"-I{sysconfig.get_paths()['include']}",
            "-D__CUDA_NO_HALF_OPERATORS__", "-D__CUDA_NO_HALF_CONVERSIONS__",
            "-D__CUDA_NO_BFLOAT16_CONVERSIONS__", "-D__CUDA_NO_HALF2_OPERATORS__",
-           os.path.join(ROOT, "csrc", "pnm_cuda.cu"), "-o", str(ptx)]
+           os.path.join(ROOT, "csrc", "pnm_cuda.cu"), "-o", str(tmp_path / "pnm_cuda.cubin")]
     done = subprocess.run(cmd, capture_output=True, text=True, timeout=900)
     assert done.returncode == 0, done.stderr[-3000:]
+    # ptxas -v: one "bytes stack frame, ... spill stores, ... spill loads" line per kernel.
+    frames = re.findall(r"(\d+) bytes stack frame, (\d+) bytes spill stores, (\d+) bytes spill loads",
+                        done.stdout + done.stderr)
+    assert len(frames) >= 3 * 6 + 1, done.stderr[-3000:]
+    assert all(f == ("0", "0", "0") for f in frames), frames
     text = ptx.read_text()
     kernels = re.split(r"\.entry ", text)[1:]
     step_kernels = [k for k in kernels if "step_kernel" in k.split("(")[0]]
