@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (see the device tool's README): build for the chip, run the
-# test suite on CUDA tensors, the benchmarks, compute-sanitizer memcheck on a small step and the
-# GPT/FSDP2 example. Every stage has a time limit inside one overall deadline, so the call
-# always ends with its logs packed: $OUT/gpu_check.tgz (default OUT=benchmarks/results/gpu).
+# test suite on CUDA tensors, the benchmarks, Triton launch configurations
+# (benchmarks/tune_triton.py), compute-sanitizer memcheck on a small step and the GPT/FSDP2
+# example. Every stage has a time limit inside one overall deadline, so the call always ends
+# with its logs packed: $OUT/gpu_check.tgz (default OUT=benchmarks/results/gpu).
 # Unpack it into benchmarks/results/ and commit it with the device, versions and this command.
 #   bash benchmarks/gpu_check.sh [DEADLINE_SECONDS]   (default 450)
 set -uo pipefail
@@ -55,6 +56,8 @@ stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SET
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
   --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled-reference --out "$WORK"
 
+stage tune_triton 60 python3 benchmarks/tune_triton.py --out "$WORK/tune_triton.json"
+
 cat > "$WORK/sanitize_step.py" <<'PY'
 import torch
 from pnm_kernels import PNM, AdaPNM
@@ -83,6 +86,7 @@ grep -E "^(FAILED|ERROR)" "$WORK/tests.log" | head -30
 for f in "$WORK"/bench_step-cuda-*.md; do
   [ -f "$f" ] && head -1 "$f" && grep -E "\[(fused|triton)\]" "$f" | cut -c1-150
 done
+tail -30 "$WORK/tune_triton.log" 2>/dev/null
 tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
 tail -3 "$WORK/memcheck.log" 2>/dev/null
 pack

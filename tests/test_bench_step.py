@@ -65,3 +65,14 @@ def test_gpt_fsdp2_example_runs_on_cpu(monkeypatch):
     assert set(results) == {"AdamW[fused]", "AdaPNM"}
     for tokens_per_s, loss in results.values():
         assert tokens_per_s > 0 and loss == loss
+
+
+def test_triton_tuning_script_times_every_candidate_configuration(tmp_path):
+    pytest.importorskip("triton")
+    import tune_triton
+
+    out = tmp_path / "tune.json"
+    tune_triton.main(["--numel", "3000", "--repeats", "1", "--dtypes", "float32", "--out", str(out)])
+    rows = json.loads(out.read_text())["rows"]
+    assert len(rows) == 2 * len(tune_triton.CANDIDATES)  # PNM and AdaPNM, every candidate
+    assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)

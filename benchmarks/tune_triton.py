@@ -1,0 +1,92 @@
+"""Times the Triton step under several launch configurations (elements per program per
+iteration, iterations per program, warps), to choose triton_kernels._CONFIGS from measurements.
+
+    python benchmarks/tune_triton.py [--numel 268435456] [--dtypes float32,bfloat16] [--out F]
+
+On a GPU: CUDA events, median of --repeats steps after a warm-up, effective GB/s and the
+fraction of the copy bandwidth measured in the same run. Without a GPU it runs under the
+Triton interpreter on a small size, as a smoke test with no meaning for speed.
+"""
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+
+import torch
+
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+from pnm_kernels import PNM, AdaPNM  # noqa: E402
+from pnm_kernels.triton_kernels import LaunchConfig, set_launch_config  # noqa: E402
+
+from bench_step import BYTES_PER_ELEMENT, copy_bandwidth  # noqa: E402
+
+CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4096, 4, 16),
+              LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16)]
+
+
+def time_step(opt, device, repeats):
+    times = []
+    for _ in range(repeats):
+        if device == "cuda":
+            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            start.record()
+            opt.step()
+            stop.record()
+            stop.synchronize()
+            times.append(start.elapsed_time(stop) / 1e3)
+        else:
+            t0 = time.perf_counter()
+            opt.step()
+            times.append(time.perf_counter() - t0)
+    return statistics.median(times)
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--numel", type=int, default=None)
+    parser.add_argument("--dtypes", default="float32,bfloat16")
+    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    args = parser.parse_args(argv)
+    device = "cuda" if torch.cuda.is_available() else "cpu"
+    numel = args.numel or ((256 << 20) if device == "cuda" else 40000)
+    copy_gbps = copy_bandwidth(device, numel)
+    rows = []
+    for dtype_name in args.dtypes.split(","):
+        dtype = getattr(torch, dtype_name)
+        scale = torch.tensor([], dtype=dtype).element_size() / 4
+        param = torch.randn(numel, device=device).to(dtype).requires_grad_()
+        param.grad = torch.randn_like(param) * 1e-2
+        for family, make in (("PNM", lambda ps: PNM(ps, lr=1e-3, backend="triton")),
+                             ("AdaPNM", lambda ps: AdaPNM(ps, lr=1e-3, backend="triton"))):
+            opt = make([param])
+            for config in CANDIDATES:
+                set_launch_config(config)
+                try:
+                    time_step(opt, device, 3)  # compiles this configuration, builds its tables
+                    t = time_step(opt, device, args.repeats)
+                finally:
+                    set_launch_config(None)
+                gbps = BYTES_PER_ELEMENT[family] * scale * numel / t / 1e9
+                rows.append(dict(dtype=dtype_name, optimizer=family, block=config.block,
+                                 iters=config.iters, num_warps=config.num_warps, ms=t * 1e3,
+                                 gbps=gbps, copy_fraction=gbps / copy_gbps))
+            del opt
+    name = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter)"
+    print(f"{name}, {numel} elements, copy bandwidth {copy_gbps:.0f} GB/s")
+    print("| dtype | optimizer | block | iters | warps | ms | GB/s | % of copy |")
+    print("|---|---|---|---|---|---|---|---|")
+    for r in rows:
+        print(f"| {r['dtype']} | {r['optimizer']} | {r['block']} | {r['iters']} | "
+              f"{r['num_warps']} | {r['ms']:.3f} | {r['gbps']:.0f} | {100 * r['copy_fraction']:.0f}% |")
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump(dict(device=name, numel=numel, copy_gbps=copy_gbps, rows=rows), f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
