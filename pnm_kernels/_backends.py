@@ -191,6 +191,14 @@ FLAT_BACKENDS = ("fused", "triton", "many")
 AUTO_TRITON_MIN_TENSORS = 1000
 
 
+def auto_prefers_triton(device: torch.device, count: Optional[int]) -> bool:
+    """Whether "auto" runs a CUDA batch of `count` tensors on the Triton kernels: only for
+    many tensors, and only on the GPU generation where that was measured (Hopper)."""
+    if count is None or count < AUTO_TRITON_MIN_TENSORS or device.type != "cuda":
+        return False
+    return torch.cuda.get_device_capability(device)[0] == 9
+
+
 def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     error = extension_error()
     if error is not None:
@@ -237,7 +245,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         reason = triton_unavailable_reason(device, dtype)
     else:  # auto
         if fused_unavailable_reason(device, dtype) is None:
-            if (device.type == "cuda" and count is not None and count >= AUTO_TRITON_MIN_TENSORS
+            if (auto_prefers_triton(device, count)
                     and triton_unavailable_reason(device, dtype) is None):
                 return "many"
             return "fused"
