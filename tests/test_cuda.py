@@ -109,3 +109,30 @@ def test_fsdp2_cpu_offload_steps_on_the_cpu_and_matches_gpu_training(name):
             torch.testing.assert_close(a.detach().cpu(), b.full_tensor().detach().cpu())
     finally:
         dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_a_tensor_past_2_31_elements_is_updated_to_its_end(backend):
+    """64-bit offsets: a PNM step over 2^31 + 5 elements (34 GB with its state) writes
+    the elements past 2^31 as the reference computes them (the maths is per element, so the
+    ends are compared with reference steps on copies of those ends)."""
+    numel = 2**31 + 5
+    if torch.cuda.mem_get_info()[0] < 40 * 2**30:
+        pytest.skip("needs 40 GiB of free GPU memory")
+    param = torch.empty(numel, device="cuda").normal_().requires_grad_()
+    param.grad = torch.empty_like(param).normal_()
+    ends = [slice(0, 4096), slice(2**31 - 4096, numel)]
+    ref_params = [param.detach()[s].clone().requires_grad_() for s in ends]
+    for rp, s in zip(ref_params, ends):
+        rp.grad = param.grad[s].clone()
+    opt = OPTIMIZERS["PNM"]([param], lr=1e-2, backend=backend)
+    ref = OPTIMIZERS["PNM"](ref_params, lr=1e-2, backend="reference")
+    for _ in range(2):  # an odd and an even step
+        opt.step()
+        ref.step()
+    for rp, s in zip(ref_params, ends):
+        torch.testing.assert_close(param.detach()[s], rp.detach())
+        for key in ("pos_momentum", "neg_momentum"):
+            torch.testing.assert_close(opt.state[param][key][s], ref.state[rp][key])
+    del opt, param
+    torch.cuda.empty_cache()
