@@ -4,7 +4,8 @@ Environment:
   PNM_KERNELS_NO_CUDA=1   build without the CUDA sources (no nvcc needed)
   TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0+PTX")
   MAX_JOBS                parallel compile jobs (default: 2)
-Install with `pip install --no-build-isolation .` so the build uses the installed torch.
+Install with `pip install --no-build-isolation --use-pep517 [-e] .` so the build uses the
+installed torch (--use-pep517: see benchmarks/setup_env.sh).
 """
 import os
 import shutil

@@ -8,5 +8,7 @@ if ! python -c "import torch" 2>/dev/null; then
 fi
 python -m pip install -q ninja pybind11 pytest pytest-benchmark numpy matplotlib scikit-learn
 # --no-build-isolation: build against the torch installed above, not a downloaded one.
-MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --no-build-isolation -e .
+# --use-pep517: where `wheel` is installed, pip would otherwise run `setup.py develop`, which
+# newer setuptools hands back to pip *with* build isolation (no torch there: the build fails).
+MAX_JOBS="${MAX_JOBS:-2}" python -m pip install -q --no-build-isolation --use-pep517 -e .
 python -c "import pnm_kernels; print('pnm_kernels', pnm_kernels.__version__, 'backends on cpu:', pnm_kernels.available_backends('cpu'))"
