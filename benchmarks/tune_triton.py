@@ -12,7 +12,6 @@ import json
 import os
 import statistics
 import sys
-import time
 
 import torch
 
@@ -22,27 +21,15 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pnm_kernels import PNM, AdaPNM  # noqa: E402
 from pnm_kernels.triton_kernels import LaunchConfig, set_launch_config  # noqa: E402
 
-from bench_step import BYTES_PER_ELEMENT, copy_bandwidth  # noqa: E402
+from bench_step import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E402
 
 CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4096, 4, 16),
               LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16)]
 
 
 def time_step(opt, device, repeats):
-    times = []
-    for _ in range(repeats):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            opt.step()
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            opt.step()
-            times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+    """Median over `repeats` single steps, each timed as bench_step times a round."""
+    return statistics.median(timed_steps(opt, device, 1)[0] for _ in range(repeats))
 
 
 def main(argv=None):
