@@ -145,19 +145,7 @@ def copy_bandwidth(device, numel, repeats=10):
     on a GPU, where a host clock around a millisecond copy would add its own overhead)."""
     src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
     dst = torch.zeros_like(src)  # touched: no page faults inside the timed copies
-    times = []
-    for _ in range(repeats + 2):
-        if device == "cuda":
-            start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            start.record()
-            dst.copy_(src)
-            stop.record()
-            stop.synchronize()
-            times.append(start.elapsed_time(stop) / 1e3)
-        else:
-            t0 = time.perf_counter()
-            dst.copy_(src)
-            times.append(time.perf_counter() - t0)
+    times = [timed(lambda: dst.copy_(src), device)[0] for _ in range(repeats + 2)]
     return 2 * src.numel() * 4 / statistics.median(times[2:]) / 1e9
 
 
@@ -192,25 +180,31 @@ def fits_in_memory(family_bytes, numel, dtype, device):
     return need < avail
 
 
-def timed_steps(opt, device, steps):
-    """(seconds per step, host seconds per step). On a GPU the first is measured with CUDA
-    events and the second is the time the host took to issue the steps (what a step over many
-    small tensors is bound by); on a CPU they are the same wall-clock time."""
+def timed(fn, device, calls=1):
+    """(seconds per call, host seconds per call) over `calls` calls of fn. On a GPU the first
+    is measured with CUDA events and the second is the time the host took to issue the calls
+    (what a step over many small tensors is bound by); on a CPU they are the same wall-clock
+    time."""
     if device == "cuda":
         start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
         start.record()
         t0 = time.perf_counter()
-        for _ in range(steps):
-            opt.step()
+        for _ in range(calls):
+            fn()
         host = time.perf_counter() - t0
         stop.record()
         stop.synchronize()
-        return start.elapsed_time(stop) / 1e3 / steps, host / steps
+        return start.elapsed_time(stop) / 1e3 / calls, host / calls
     t0 = time.perf_counter()
-    for _ in range(steps):
-        opt.step()
-    t = (time.perf_counter() - t0) / steps
+    for _ in range(calls):
+        fn()
+    t = (time.perf_counter() - t0) / calls
     return t, t
+
+
+def timed_steps(opt, device, steps):
+    """(seconds per step, host seconds per step) over `steps` optimizer steps."""
+    return timed(opt.step, device, steps)
 
 
 def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
