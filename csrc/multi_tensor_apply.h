@@ -53,11 +53,15 @@ struct LaunchTable {
   int32_t block_chunk[kMaxBlocks];    // chunk index inside its tensor
   uint16_t block_tensor[kMaxBlocks];  // tensor slot in this table
   int64_t chunk_size;
+  // Set when this launch is the whole step and increments its counters itself (see
+  // finish_launch); null otherwise.
+  unsigned int* blocks_done;
   int num_tensors;
   int num_blocks;
 };
 
-// Step counters are incremented by a second, tiny launch after every launch that reads them.
+// Step counters are incremented by a second, tiny launch after the launches that read them,
+// unless the step is a single launch given a blocks_done counter.
 struct StepCounterTable {
   static constexpr int kMax = 1024;
   float* steps[kMax];
@@ -80,6 +84,10 @@ struct LaunchLimits {
   int64_t chunk_size = kDefaultChunkSize;
   int max_tensors = 0;
   int max_blocks = 0;
+  // The most blocks a step may have to be a single launch: the device's SM count on a GPU
+  // (one block per SM, so the single-launch kernel can have all the registers it likes),
+  // no limit in the emulation.
+  int max_single_launch_blocks = 0;
 };
 LaunchLimits& launch_limits();
 
@@ -169,8 +177,20 @@ PNM_HOST_DEVICE void increment_steps(const StepCounterTable& tab, const float* f
   for (int i = thread; i < tab.count; i += block_dim) *tab.steps[i] += 1.0f;
 }
 
+// A step that is a single launch given a blocks_done counter (zero between steps) needs no
+// second launch for its counters: each block takes a ticket once it is done, so once it has
+// read its counter, and the block that takes the last ticket, knowing every other block has
+// read theirs, calls this to increment them all and zero blocks_done for the next step. No
+// ticket is taken in a step skipped for found_inf.
+template <int kLists>
+PNM_HOST_DEVICE void finish_launch(const LaunchTable<kLists>& tab, int thread, int block_dim) {
+  for (int i = thread; i < tab.num_tensors; i += block_dim) *tab.steps[i] += 1.0f;
+  if (thread == 0) *tab.blocks_done = 0;
+}
+
 // Host side: cut tensors into chunks and fill launch tables. ptrs[i * kLists + l] is list l's
-// pointer for tensor i. A tensor whose chunks do not fit is continued in the next table.
+// pointer for tensor i. A tensor whose chunks do not fit is continued in the next table. An
+// empty tensor gets a slot but no block: its counter is counted in a single-launch step.
 template <int kLists>
 std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptrs,
                                                float* const* steps, const int64_t* numels,
@@ -186,6 +206,7 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
     tables.emplace_back();
     cur = &tables.back();
     cur->chunk_size = limits.chunk_size;
+    cur->blocks_done = nullptr;
     cur->num_tensors = 0;
     cur->num_blocks = 0;
   };
@@ -197,7 +218,6 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
     return slot;
   };
   for (int i = 0; i < num_tensors; ++i) {
-    if (numels[i] == 0) continue;  // nothing to update; its counter is still incremented
     if (cur == nullptr || cur->num_tensors == max_tensors) open_table();
     int slot = add_tensor(i);
     const int64_t chunks = (numels[i] + limits.chunk_size - 1) / limits.chunk_size;
@@ -212,6 +232,18 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
     }
   }
   return tables;
+}
+
+// Whether a step planned as these tables runs as one launch that also increments the counters
+// (it has a blocks_done counter, one table, and few enough blocks); if so, the table is set
+// up for it.
+template <int kLists>
+bool make_single_launch(std::vector<LaunchTable<kLists>>& tables, unsigned int* blocks_done,
+                        int max_blocks) {
+  if (blocks_done == nullptr || tables.size() != 1) return false;
+  if (max_blocks > 0 && tables[0].num_blocks > max_blocks) return false;
+  tables[0].blocks_done = blocks_done;
+  return true;
 }
 
 inline std::vector<StepCounterTable> plan_step_counters(int num_tensors, float* const* steps) {

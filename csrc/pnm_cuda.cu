@@ -19,9 +19,44 @@ __global__ void __launch_bounds__(kBlockSize)
   step_block<T, Algo>(table, args, blockIdx.x, threadIdx.x, blockDim.x);
 }
 
+// A whole step in one launch, counters included (finish_launch). Used only for a grid of at
+// most one block per SM, so its register count costs no occupancy: the (kBlockSize, 1) bound
+// lets ptxas use what it likes (with step_kernel's bound, the ticket code made it spill).
+template <typename T, class Algo>
+__global__ void __launch_bounds__(kBlockSize, 1)
+    single_launch_step_kernel(const __grid_constant__ LaunchTable<Algo::kLists> table,
+                              const StepArgs args) {
+  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  // A table of empty tensors only is launched as one block without a chunk.
+  if (static_cast<int>(blockIdx.x) < table.num_blocks) {
+    step_block<T, Algo>(table, args, blockIdx.x, threadIdx.x, blockDim.x);
+  }
+  // The ticket, taken once every thread of the block is done, behind a fence; the block that
+  // takes the last one fences again before it writes the counters.
+  __shared__ bool took_last_ticket;
+  __syncthreads();
+  if (threadIdx.x == 0) {
+    __threadfence();
+    took_last_ticket = atomicAdd(table.blocks_done, 1u) == gridDim.x - 1;
+  }
+  __syncthreads();
+  if (!took_last_ticket) return;
+  __threadfence();
+  finish_launch(table, threadIdx.x, blockDim.x);
+}
+
 __global__ void increment_kernel(const __grid_constant__ StepCounterTable table,
                                  const float* found_inf) {
   increment_steps(table, found_inf, threadIdx.x, blockDim.x);
+}
+
+int multiprocessor_count(int device) {
+  static int counts[64] = {};
+  if (device < 0 || device >= 64) return 0;
+  if (counts[device] == 0) {
+    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
+  }
+  return counts[device];
 }
 
 template <typename T, class Algo>
@@ -29,8 +64,19 @@ void run_cuda(const StepCall& call, const StepArgs& args) {
   const GatheredPointers g = gather_pointers(call);
   const int n = static_cast<int>(call.size());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (const auto& table : plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(),
-                                                       g.numels.data(), launch_limits())) {
+  auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
+                                            launch_limits());
+  const int max_single = launch_limits().max_single_launch_blocks > 0
+                             ? launch_limits().max_single_launch_blocks
+                             : multiprocessor_count(call.lists[0][0].get_device());
+  if (make_single_launch(tables, blocks_done_ptr(call), max_single)) {
+    const int grid = tables[0].num_blocks > 0 ? tables[0].num_blocks : 1;
+    single_launch_step_kernel<T, Algo><<<grid, kBlockSize, 0, stream>>>(tables[0], args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
+  }
+  for (const auto& table : tables) {
+    if (table.num_blocks == 0) continue;  // empty tensors only
     step_kernel<T, Algo><<<table.num_blocks, kBlockSize, 0, stream>>>(table, args);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }

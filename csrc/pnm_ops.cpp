@@ -110,6 +110,14 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
   check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*cpu_allowed=*/true);
   check_scalar_tensor(call.grad_scale, "grad_scale", device, false);
   check_scalar_tensor(call.found_inf, "found_inf", device, false);
+  if (call.blocks_done.has_value()) {
+    const at::Tensor& d = *call.blocks_done;
+    TORCH_CHECK(d.numel() == 1 && d.scalar_type() == at::kInt,
+                "pnm_kernels: blocks_done must be an int32 tensor with one element, got ",
+                d.scalar_type(), " with ", d.numel(), " elements");
+    TORCH_CHECK(d.device() == device, "pnm_kernels: blocks_done is on ", d.device(),
+                " but params are on ", device);
+  }
 }
 
 }  // namespace
@@ -119,7 +127,8 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        double beta1, double beta0, double weight_decay, bool decoupled,
                        bool maximize, const std::optional<at::Tensor>& lr_tensor,
                        const std::optional<at::Tensor>& grad_scale,
-                       const std::optional<at::Tensor>& found_inf, c10::DeviceType device_type) {
+                       const std::optional<at::Tensor>& found_inf,
+                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type) {
   StepCall call;
   call.num_lists = 4;
   call.lists[0] = params;
@@ -132,6 +141,7 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
   call.lr_tensor = lr_tensor;
   call.grad_scale = grad_scale;
   call.found_inf = found_inf;
+  call.blocks_done = blocks_done;
   call.adaptive = false;
   call.decoupled = decoupled;
   check_call(call, kPnmListNames, device_type);
@@ -146,6 +156,7 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& lr_tensor,
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf,
+                          const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type) {
   StepCall call;
   call.num_lists = amsgrad ? 6 : 5;
@@ -161,6 +172,7 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
   call.lr_tensor = lr_tensor;
   call.grad_scale = grad_scale;
   call.found_inf = found_inf;
+  call.blocks_done = blocks_done;
   call.adaptive = true;
   call.decoupled = decoupled;
   call.amsgrad = amsgrad;
@@ -418,13 +430,33 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
 
 // ---------------------------------------------------------------------------------------
 // CPU emulation of the CUDA launch: the same launch tables, the same block body, walked
-// block by block and thread by thread.
+// block by block and thread by thread. In a single-launch step blocks take their tickets in
+// order, so the last one to take one is the last block, as on the GPU.
 template <typename T, class Algo>
 void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   const GatheredPointers g = gather_pointers(call);
   const int n = static_cast<int>(call.size());
-  const auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(),
-                                                  g.numels.data(), launch_limits());
+  unsigned int* const blocks_done = blocks_done_ptr(call);
+  TORCH_CHECK(blocks_done == nullptr || *blocks_done == 0,
+              "pnm_kernels: blocks_done must be zero when a step starts, got ", *blocks_done);
+  auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
+                                            launch_limits());
+  if (make_single_launch(tables, blocks_done, launch_limits().max_single_launch_blocks)) {
+    if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+    const LaunchTable<Algo::kLists>& table = tables[0];
+    const int grid = table.num_blocks > 0 ? table.num_blocks : 1;
+    for (int block = 0; block < grid; ++block) {
+      if (block < table.num_blocks) {  // else the one block of a table of empty tensors
+        for (int thread = 0; thread < kBlockSize; ++thread) {
+          step_block<T, Algo>(table, args, block, thread, kBlockSize);
+        }
+      }
+      if (++*blocks_done == static_cast<unsigned int>(grid)) {  // this block's ticket
+        for (int thread = 0; thread < kBlockSize; ++thread) finish_launch(table, thread, kBlockSize);
+      }
+    }
+    return;
+  }
   for (const auto& table : tables) {
     for (int block = 0; block < table.num_blocks; ++block) {
       for (int thread = 0; thread < kBlockSize; ++thread) {
@@ -503,27 +535,33 @@ std::vector<int64_t> launch_plan(at::IntArrayRef numels) {
   return out;
 }
 
-void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_blocks) {
+void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_blocks,
+                       int64_t max_single_launch_blocks) {
   TORCH_CHECK(chunk_size >= 0 && chunk_size % 8 == 0,
               "pnm_kernels: chunk_size must be a non-negative multiple of 8, got ", chunk_size);
   LaunchLimits& limits = launch_limits();
   limits.chunk_size = chunk_size > 0 ? chunk_size : kDefaultChunkSize;
   limits.max_tensors = static_cast<int>(max_tensors);
   limits.max_blocks = static_cast<int>(max_blocks);
+  limits.max_single_launch_blocks = static_cast<int>(max_single_launch_blocks);
 }
 
 // The lists of a batch that stay the same from step to step (parameters, buffers, step
 // counters), converted from Python once: an eager step then converts only its gradients,
 // which for thousands of small tensors is most of the host time. Each step goes through the
 // registered ops, so every check and every device's kernel is the same as for a direct call.
+// The batch's own blocks_done counter (optional) lets a CUDA step be a single launch.
 struct StepLists : torch::CustomClassHolder {
   std::vector<at::Tensor> params, buffer0, buffer1, buffer2, buffer3, steps;
+  std::optional<at::Tensor> blocks_done;
 
   StepLists(std::vector<at::Tensor> params, std::vector<at::Tensor> buffer0,
             std::vector<at::Tensor> buffer1, std::vector<at::Tensor> buffer2,
-            std::vector<at::Tensor> buffer3, std::vector<at::Tensor> steps)
+            std::vector<at::Tensor> buffer3, std::vector<at::Tensor> steps,
+            std::optional<at::Tensor> blocks_done)
       : params(std::move(params)), buffer0(std::move(buffer0)), buffer1(std::move(buffer1)),
-        buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)) {}
+        buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)),
+        blocks_done(std::move(blocks_done)) {}
 
   void pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
                 double beta0, double weight_decay, bool decoupled, bool maximize,
@@ -534,7 +572,7 @@ struct StepLists : torch::CustomClassHolder {
     static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_pnm_step_");
     (emulate ? emulated : op)
         .call(params, grads, buffer0, buffer1, steps, lr, beta1, beta0, weight_decay, decoupled,
-              maximize, lr_tensor, grad_scale, found_inf);
+              maximize, lr_tensor, grad_scale, found_inf, blocks_done);
   }
 
   void adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
@@ -547,7 +585,7 @@ struct StepLists : torch::CustomClassHolder {
     (emulate ? emulated : op)
         .call(params, grads, buffer0, buffer1, buffer2, buffer3, steps, lr, beta1, beta2, beta0,
               eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
-              found_inf);
+              found_inf, blocks_done);
   }
 
   // The data pointers of params, grads and the first num_buffers buffers (list-major), then
@@ -587,13 +625,15 @@ struct StepLists : torch::CustomClassHolder {
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] pos_momentums, "                   \
        "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, *, float lr, float beta1, "           \
        "float beta0, float weight_decay, bool decoupled, bool maximize, "                     \
-       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "            \
+       "Tensor(e!)? blocks_done=None) -> ()"
 #define ADAPNM_STEP_SCHEMA(name)                                                              \
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
        "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
        "Tensor(f!)[] steps, *, float lr, float beta1, float beta2, float beta0, float eps, "  \
        "float weight_decay, bool amsgrad, bool decoupled, bool maximize, "                    \
-       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None) -> ()"
+       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "            \
+       "Tensor(g!)? blocks_done=None) -> ()"
 
 TORCH_LIBRARY(pnm_kernels, m) {
   m.def(PNM_STEP_SCHEMA("pnm_step_"));
@@ -601,14 +641,16 @@ TORCH_LIBRARY(pnm_kernels, m) {
   // The CUDA kernels' code, executed on CPU tensors (CI has no GPU).
   m.def(PNM_STEP_SCHEMA("emulated_cuda_pnm_step_"));
   m.def(ADAPNM_STEP_SCHEMA("emulated_cuda_adapnm_step_"));
-  m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks) -> ()",
+  m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks, "
+        "int max_single_launch_blocks=0) -> ()",
         &pnm::set_launch_limits);
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
   m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
   m.class_<pnm::StepLists>("StepLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
-                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>>())
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::optional<at::Tensor>>())
       .def("pnm_step", &pnm::StepLists::pnm_step)
       .def("adapnm_step", &pnm::StepLists::adapnm_step)
       .def("pointers", &pnm::StepLists::pointers);

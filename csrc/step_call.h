@@ -22,6 +22,10 @@ struct StepCall {
   Hyper hyper{};
   double lr = 0.0;
   std::optional<at::Tensor> lr_tensor, grad_scale, found_inf;
+  // One int32 counter, zero between steps, with which a small CUDA step is a single launch
+  // that increments the step counters itself (multi_tensor_apply.h); the CPU kernel has no
+  // use for it.
+  std::optional<at::Tensor> blocks_done;
   bool adaptive = false, decoupled = true, amsgrad = false;
 
   int64_t size() const { return static_cast<int64_t>(lists[0].size()); }
@@ -33,7 +37,8 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        double beta1, double beta0, double weight_decay, bool decoupled,
                        bool maximize, const std::optional<at::Tensor>& lr_tensor,
                        const std::optional<at::Tensor>& grad_scale,
-                       const std::optional<at::Tensor>& found_inf, c10::DeviceType device_type);
+                       const std::optional<at::Tensor>& found_inf,
+                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type);
 
 StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
@@ -43,6 +48,7 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& lr_tensor,
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf,
+                          const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type);
 
 // Kernel scalars. Device-resident scalars become pointers; an lr tensor on the CPU is read here.
@@ -55,6 +61,12 @@ struct GatheredPointers {
   std::vector<int64_t> numels;
 };
 GatheredPointers gather_pointers(const StepCall& call);
+
+// The call's blocks_done counter as the launch tables take it; null without one.
+inline unsigned int* blocks_done_ptr(const StepCall& call) {
+  return call.blocks_done.has_value() ? static_cast<unsigned int*>(call.blocks_done->data_ptr())
+                                      : nullptr;
+}
 
 template <class T>
 struct Tag {
@@ -91,10 +103,11 @@ void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos
                  double beta0, double weight_decay, bool decoupled, bool maximize,
                  const std::optional<at::Tensor>& lr_tensor,
                  const std::optional<at::Tensor>& grad_scale,
-                 const std::optional<at::Tensor>& found_inf) {
+                 const std::optional<at::Tensor>& found_inf,
+                 const std::optional<at::Tensor>& blocks_done) {
   Impl::run(make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
                           weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
-                          Impl::kDevice));
+                          blocks_done, Impl::kDevice));
 }
 
 template <class Impl>
@@ -105,11 +118,12 @@ void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList 
                     bool amsgrad, bool decoupled, bool maximize,
                     const std::optional<at::Tensor>& lr_tensor,
                     const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf) {
+                    const std::optional<at::Tensor>& found_inf,
+                    const std::optional<at::Tensor>& blocks_done) {
   Impl::run(make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs,
                              max_exp_avg_sqs, steps, lr, beta1, beta2, beta0, eps, weight_decay,
                              amsgrad, decoupled, maximize, lr_tensor, grad_scale, found_inf,
-                             Impl::kDevice));
+                             blocks_done, Impl::kDevice));
 }
 
 }  // namespace pnm

@@ -27,8 +27,11 @@ if _EXTENSION_ERROR is None:
         torch.library.register_fake(f"pnm_kernels::{_name}")(_fake_step)
 
 
-def set_launch_limits(chunk_size: int = 0, max_tensors: int = 0, max_blocks: int = 0) -> None:
+def set_launch_limits(chunk_size: int = 0, max_tensors: int = 0, max_blocks: int = 0,
+                      max_single_launch_blocks: int = 0) -> None:
     """Test hook for the CUDA launch planner (and its CPU emulation): smaller chunks and
-    launch tables make chunk and launch boundaries reachable with small tensors. Zeros
-    restore the defaults."""
-    torch.ops.pnm_kernels._set_launch_limits(chunk_size, max_tensors, max_blocks)
+    launch tables make chunk and launch boundaries reachable with small tensors, and
+    max_single_launch_blocks caps the steps run as one launch (by default the GPU's SM count,
+    and no cap in the emulation). Zeros restore the defaults."""
+    torch.ops.pnm_kernels._set_launch_limits(chunk_size, max_tensors, max_blocks,
+                                             max_single_launch_blocks)

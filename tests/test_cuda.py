@@ -67,6 +67,44 @@ def test_cpu_grad_for_a_cuda_param_raises_clearly(name):
         opt.step()
 
 
+def _kernels_launched_by(fn):
+    """The kinds of the kernels fn launches, in order: "single", "step", "increment"."""
+    with torch.profiler.profile(activities=[torch.profiler.ProfilerActivity.CUDA]) as prof:
+        fn()
+        torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA]
+    kinds = {"single_launch_step_kernel": "single", "increment_kernel": "increment",
+             "step_kernel": "step"}
+    return [next((v for k, v in kinds.items() if k in name), name) for name in names]
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_a_step_of_at_most_one_block_per_sm_is_a_single_launch(name):
+    """An eager fused step whose chunks fit one block per SM is one kernel that also
+    increments the step counters; a larger one is the step kernel plus the counter kernel.
+    Both agree with the reference, counters included."""
+    sms = torch.cuda.get_device_properties(0).multi_processor_count
+    for blocks, expected in ((sms, ["single"]), (sms + 1, ["step", "increment"])):
+        params = make_params([((blocks - 1) * 65536,), (3,)], device="cuda")  # one block each
+        ref_params = clone_params(params)
+        opt = OPTIMIZERS[name](params, lr=1e-3, backend="fused")
+        ref = OPTIMIZERS[name](ref_params, lr=1e-3, backend="reference")
+        train(opt, params, 2)
+        train(ref, ref_params, 2)
+        assert _kernels_launched_by(opt.step) == expected
+        ref.step()
+        assert_states_close(opt, params, ref, ref_params)
+
+
+def test_a_blocks_done_counter_on_another_device_raises():
+    p = [torch.zeros(4, device="cuda")]
+    with pytest.raises(RuntimeError, match="blocks_done is on cpu but params are on cuda:0"):
+        torch.ops.pnm_kernels.pnm_step_(p, [torch.zeros(4, device="cuda")], [torch.zeros(4, device="cuda")],
+                                        [torch.zeros(4, device="cuda")], [torch.zeros((), device="cuda")],
+                                        lr=0.1, beta1=0.9, beta0=1.0, weight_decay=0.0, decoupled=True,
+                                        maximize=False, blocks_done=torch.zeros(1, dtype=torch.int32))
+
+
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 def test_large_set_on_gpu_matches_reference(backend):
     params = make_params([(1 << 22,), (4097,), (3,)], device="cuda")

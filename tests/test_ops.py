@@ -49,7 +49,8 @@ def test_opcheck_pnm(op, dtype):
                           pnm_args(dtype=dtype), pnm_kwargs())
     torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, pnm_args(),
                           pnm_kwargs(lr_tensor=torch.tensor(0.1), grad_scale=torch.tensor(4.0),
-                                     found_inf=torch.tensor(0.0)))
+                                     found_inf=torch.tensor(0.0),
+                                     blocks_done=torch.zeros(1, dtype=torch.int32)))
 
 
 @pytest.mark.parametrize("op", ADA_OPS)
@@ -119,32 +120,83 @@ def test_bad_scalars_raise_in_cpp(kw, message):
         torch.ops.pnm_kernels.pnm_step_(*pnm_args(), **pnm_kwargs(**kw))
 
 
-@pytest.mark.parametrize("limits", [(64, 1, 1), (64, 2, 3), (128, 400, 2), (0, 0, 0)],
-                         ids=["one-block-launches", "small-tables", "split-tensor", "defaults"])
+@pytest.mark.parametrize("counters", ["second-launch", "single-launch", "capped"])
+@pytest.mark.parametrize("limits", [(64, 1, 1), (64, 2, 3), (128, 400, 2), (64, 0, 0), (0, 0, 0)],
+                         ids=["one-block-launches", "small-tables", "split-tensor",
+                              "small-chunks-one-table", "defaults"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
-def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(limits, dtype):
+def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(limits, dtype,
+                                                                                counters):
     """Many tensors per launch, tensors cut across launches, vector and masked paths: the
-    CUDA block body gives bitwise what the fused CPU kernel gives (same maths header)."""
-    shapes = [(1,), (3,), (8,), (1000,), (0,), (64,), (65,), (517,), (9, 7)]
+    CUDA block body gives bitwise what the fused CPU kernel gives (same maths header).
+    Step counters are incremented by a second launch, or, given a blocks_done counter and a
+    step that fits one launch (at most max_single_launch_blocks blocks: "capped" allows 2),
+    by the block that takes the last ticket: every other block of every tensor must have read
+    its old count by then (its parity and bias corrections would differ otherwise), and an
+    empty tensor's counter still counts."""
+    shapes = [(1,), (3,), (8,), (1000,), (0,), (64,), (65,), (517,), (9, 7), (0,)]
     emulated = [p.detach() for p in make_params(shapes, dtype=dtype, device="cpu")]
     emulated.append(torch.zeros(1001, dtype=dtype)[1:].copy_(emulated[3]))  # misaligned
     fused = [p.clone() for p in emulated]
     state = {id(ps): ([[torch.zeros_like(p) for p in ps] for _ in range(4)],
                       [torch.zeros(()) for _ in ps]) for ps in (emulated, fused)}
-    set_launch_limits(*limits)
+    blocks_done = None if counters == "second-launch" else torch.zeros(1, dtype=torch.int32)
+    set_launch_limits(*limits, max_single_launch_blocks=2 if counters == "capped" else 0)
     try:
         for _ in range(6):
             grads = [torch.randn(p.shape).to(dtype) for p in emulated]
             for params, op in ((emulated, "emulated_cuda_adapnm_step_"), (fused, "adapnm_step_")):
                 buffers, steps = state[id(params)]
                 getattr(torch.ops.pnm_kernels, op)(params, grads, *buffers, steps,
-                                                   **adapnm_kwargs(decoupled=True))
+                                                   **adapnm_kwargs(decoupled=True),
+                                                   blocks_done=blocks_done)
+            if blocks_done is not None:
+                assert blocks_done.item() == 0  # left ready for the next step
     finally:
         set_launch_limits()
     flat = lambda ps: ps + sum(state[id(ps)][0], []) + state[id(ps)][1]  # noqa: E731
     for x, y in zip(flat(emulated), flat(fused)):
         assert torch.equal(x, y)
-    assert state[id(emulated)][1][0].item() == 6
+    assert [s.item() for s in state[id(emulated)][1]] == [6.0] * len(emulated)
+
+
+@pytest.mark.parametrize("limits", [(64, 1, 1), (0, 0, 0)], ids=["one-block-launches", "defaults"])
+def test_single_launch_counters_skip_a_found_inf_step_and_count_empty_params(limits):
+    """With blocks_done, a found_inf step still changes nothing (no block takes a ticket, so
+    the counter stays zero), and a step of nothing but empty tensors is one block that only
+    increments their counters."""
+    op = torch.ops.pnm_kernels.emulated_cuda_pnm_step_
+    blocks_done = torch.zeros(1, dtype=torch.int32)
+    set_launch_limits(*limits)
+    try:
+        args = pnm_args()
+        before = [[t.clone() for t in lst] for lst in args]
+        op(*args, **pnm_kwargs(found_inf=torch.tensor(1.0)), blocks_done=blocks_done)
+        for lst, old in zip(args, before):
+            for t, o in zip(lst, old):
+                assert torch.equal(t, o)
+        assert blocks_done.item() == 0
+        empty = [[torch.zeros(0)] * 2 for _ in range(4)] + [[torch.zeros(()), torch.ones(())]]
+        op(*empty, **pnm_kwargs(), blocks_done=blocks_done)
+        assert [s.item() for s in empty[4]] == [1.0, 2.0] and blocks_done.item() == 0
+    finally:
+        set_launch_limits()
+
+
+@pytest.mark.parametrize("blocks_done,message", [
+    (torch.zeros(1), "blocks_done must be an int32 tensor with one element, got Float"),
+    (torch.zeros(2, dtype=torch.int32), "blocks_done must be an int32 tensor with one element"),
+    (torch.ones(1, dtype=torch.int32), "blocks_done must be zero when a step starts, got 1"),
+], ids=["dtype", "size", "not-zero"])
+def test_a_bad_blocks_done_counter_raises_and_writes_nothing(blocks_done, message):
+    args = pnm_args()
+    before = [[t.clone() for t in lst] for lst in args]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pnm_kernels.emulated_cuda_pnm_step_(*args, **pnm_kwargs(),
+                                                      blocks_done=blocks_done)
+    for lst, old in zip(args, before):
+        for t, o in zip(lst, old):
+            assert torch.equal(t, o)
 
 
 def _plan(numels):
