@@ -246,6 +246,12 @@ bool make_single_launch(std::vector<LaunchTable<kLists>>& tables, unsigned int* 
   return true;
 }
 
+// A single launch of empty tensors only is one block without a chunk (it counts them).
+template <int kLists>
+int single_launch_grid(const LaunchTable<kLists>& table) {
+  return table.num_blocks > 0 ? table.num_blocks : 1;
+}
+
 inline std::vector<StepCounterTable> plan_step_counters(int num_tensors, float* const* steps) {
   std::vector<StepCounterTable> tables;
   for (int i = 0; i < num_tensors; ++i) {

@@ -51,12 +51,9 @@ __global__ void increment_kernel(const __grid_constant__ StepCounterTable table,
 }
 
 int multiprocessor_count(int device) {
-  static int counts[64] = {};
-  if (device < 0 || device >= 64) return 0;
-  if (counts[device] == 0) {
-    C10_CUDA_CHECK(cudaDeviceGetAttribute(&counts[device], cudaDevAttrMultiProcessorCount, device));
-  }
-  return counts[device];
+  int count = 0;  // a driver-cached attribute: no need to cache it here
+  C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
+  return count;
 }
 
 template <typename T, class Algo>
@@ -66,14 +63,16 @@ void run_cuda(const StepCall& call, const StepArgs& args) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
                                             launch_limits());
-  const int max_single = launch_limits().max_single_launch_blocks > 0
-                             ? launch_limits().max_single_launch_blocks
-                             : multiprocessor_count(call.lists[0][0].get_device());
-  if (make_single_launch(tables, blocks_done_ptr(call), max_single)) {
-    const int grid = tables[0].num_blocks > 0 ? tables[0].num_blocks : 1;
-    single_launch_step_kernel<T, Algo><<<grid, kBlockSize, 0, stream>>>(tables[0], args);
-    C10_CUDA_KERNEL_LAUNCH_CHECK();
-    return;
+  unsigned int* const blocks_done = blocks_done_ptr(call);
+  if (blocks_done != nullptr) {
+    const int limit = launch_limits().max_single_launch_blocks;
+    const int max_blocks = limit > 0 ? limit : multiprocessor_count(call.lists[0][0].get_device());
+    if (make_single_launch(tables, blocks_done, max_blocks)) {
+      single_launch_step_kernel<T, Algo>
+          <<<single_launch_grid(tables[0]), kBlockSize, 0, stream>>>(tables[0], args);
+      C10_CUDA_KERNEL_LAUNCH_CHECK();
+      return;
+    }
   }
   for (const auto& table : tables) {
     if (table.num_blocks == 0) continue;  // empty tensors only

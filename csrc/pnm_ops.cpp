@@ -444,7 +444,7 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   if (make_single_launch(tables, blocks_done, launch_limits().max_single_launch_blocks)) {
     if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
     const LaunchTable<Algo::kLists>& table = tables[0];
-    const int grid = table.num_blocks > 0 ? table.num_blocks : 1;
+    const int grid = single_launch_grid(table);
     for (int block = 0; block < grid; ++block) {
       if (block < table.num_blocks) {  // else the one block of a table of empty tensors
         for (int thread = 0; thread < kBlockSize; ++thread) {
