@@ -1,7 +1,7 @@
 """What can be checked of the CUDA kernels without a GPU, beyond their emulated execution:
 compiled for sm_90, every kernel moves data with 128-bit loads and stores, keeps its launch
-table in parameter memory (no local-memory copy of the __grid_constant__ table) and spills no
-register (ptxas's own report)."""
+table in parameter memory (no local-memory copy of the __grid_constant__ table), spills no
+register and leaves room for two blocks per SM (ptxas's own report)."""
 import os
 import re
 import shutil
@@ -34,6 +34,14 @@ def test_cuda_kernels_use_128_bit_accesses_and_no_local_memory(tmp_path):
                         done.stdout + done.stderr)
     assert len(frames) >= 3 * 6 * 2 + 1, done.stderr[-3000:]
     assert all(f == ("0", "0", "0") for f in frames), frames
+    # At most 64 registers a thread: an SM holds two 512-thread blocks of every step_kernel
+    # (bf16 AdaPNM once took 104 and ran one block per SM). The single-launch kernels run one
+    # block per SM anyway.
+    registers = dict(re.findall(r"Compiling entry function '(\w+)'.*?Used (\d+) registers",
+                                done.stdout + done.stderr, re.S))
+    many_block = {k: int(v) for k, v in registers.items()
+                  if "step_kernel" in k and "single_launch" not in k}
+    assert len(many_block) == 3 * 6 and max(many_block.values()) <= 64, many_block
     text = ptx.read_text()
     kernels = re.split(r"\.entry ", text)[1:]
     step_kernels = [k for k in kernels if "step_kernel" in k.split("(")[0]]
