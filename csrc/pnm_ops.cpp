@@ -180,6 +180,21 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
   return call;
 }
 
+namespace {
+void bump_versions_of(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+}  // namespace
+
+void bump_versions(const StepCall& call) {
+  for (int l = 0; l < call.num_lists; ++l) {
+    if (l != 1) bump_versions_of(call.lists[l]);  // grads are only read
+  }
+  bump_versions_of(call.steps);
+}
+
 StepArgs make_step_args(const StepCall& call) {
   StepArgs args{};
   args.hyper = call.hyper;
@@ -588,6 +603,14 @@ struct StepLists : torch::CustomClassHolder {
               found_inf, blocks_done);
   }
 
+  // For the Triton step, which writes through raw pointers: the version counters of the
+  // params, the first num_buffers buffers and the counters (see bump_versions).
+  void bump_versions(int64_t num_buffers) {
+    const std::vector<at::Tensor>* lists[] = {&params, &buffer0, &buffer1, &buffer2, &buffer3};
+    for (int64_t l = 0; l < 1 + num_buffers && l < 5; ++l) bump_versions_of(*lists[l]);
+    bump_versions_of(steps);
+  }
+
   // The data pointers of params, grads and the first num_buffers buffers (list-major), then
   // of the step counters, then the params' element counts, as one int64 CPU tensor: what the
   // Triton kernels' tables hold.
@@ -653,7 +676,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
                        std::optional<at::Tensor>>())
       .def("pnm_step", &pnm::StepLists::pnm_step)
       .def("adapnm_step", &pnm::StepLists::adapnm_step)
-      .def("pointers", &pnm::StepLists::pointers);
+      .def("pointers", &pnm::StepLists::pointers)
+      .def("bump_versions", &pnm::StepLists::bump_versions);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
@@ -667,4 +691,11 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
 extern "C" PyObject* PyInit__C(void) {
   static PyModuleDef module_def = {PyModuleDef_HEAD_INIT, "_C", nullptr, -1, nullptr};
   return PyModule_Create(&module_def);
+}
+
+TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
+  for (const char* name : {"pnm_step_", "adapnm_step_", "emulated_cuda_pnm_step_",
+                           "emulated_cuda_adapnm_step_"}) {
+    m.impl(name, torch::CppFunction::makeFallthrough());
+  }
 }

@@ -51,6 +51,12 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type);
 
+// Bumps the version counter of every tensor the op may write (all but the grads), as torch's
+// in-place ops do: autograd then refuses a backward through a graph that saved a parameter
+// the step changed, instead of using the new values. Inference tensors have no counter
+// (torch.autograd.graph.increment_version skips them too).
+void bump_versions(const StepCall& call);
+
 // Kernel scalars. Device-resident scalars become pointers; an lr tensor on the CPU is read here.
 StepArgs make_step_args(const StepCall& call);
 
@@ -105,9 +111,12 @@ void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos
                  const std::optional<at::Tensor>& grad_scale,
                  const std::optional<at::Tensor>& found_inf,
                  const std::optional<at::Tensor>& blocks_done) {
-  Impl::run(make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
-                          weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
-                          blocks_done, Impl::kDevice));
+  const StepCall call =
+      make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
+                    weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
+                    blocks_done, Impl::kDevice);
+  bump_versions(call);
+  Impl::run(call);
 }
 
 template <class Impl>
@@ -120,10 +129,12 @@ void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList 
                     const std::optional<at::Tensor>& grad_scale,
                     const std::optional<at::Tensor>& found_inf,
                     const std::optional<at::Tensor>& blocks_done) {
-  Impl::run(make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs,
-                             max_exp_avg_sqs, steps, lr, beta1, beta2, beta0, eps, weight_decay,
-                             amsgrad, decoupled, maximize, lr_tensor, grad_scale, found_inf,
-                             blocks_done, Impl::kDevice));
+  const StepCall call =
+      make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
+                       steps, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled,
+                       maximize, lr_tensor, grad_scale, found_inf, blocks_done, Impl::kDevice);
+  bump_versions(call);
+  Impl::run(call);
 }
 
 }  // namespace pnm

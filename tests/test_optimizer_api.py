@@ -537,3 +537,20 @@ def test_extra_group_keys_including_tensors_are_carried_along(name):
     opt.param_groups[0]["scale"].mul_(2)  # a user's own tensor, changed in place
     train(opt, params, 1, start=2)
     assert opt.param_groups[0]["tag"] == "decoder" and opt.state[params[0]]["step"].item() == 3
+
+
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_a_backward_through_a_graph_that_saved_a_stepped_parameter_raises(path, name):
+    """As with torch's optimizers, a step bumps the version counter of every tensor it
+    writes, so autograd refuses to reuse a graph that saved a parameter the step changed
+    instead of silently using the new values."""
+    w = torch.randn(3, 3, device=DEVICE, requires_grad=True)
+    x = torch.randn(2, 3, device=DEVICE, requires_grad=True)
+    loss = (x @ w).pow(2).sum()  # saves w for x's gradient
+    loss.backward(retain_graph=True)
+    opt = OPTIMIZERS[name]([w], lr=0.1, backend=path)
+    opt.step()
+    assert opt.state[w]["step"]._version > 0
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        loss.backward()
