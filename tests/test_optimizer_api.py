@@ -241,13 +241,14 @@ def test_parameter_storage_swapped_under_cached_lists(path, name):
 @BOTH
 def test_triton_backend_needs_no_compiled_extension(path, name, monkeypatch):
     """A Triton-only install (pnm_kernels._C absent) runs the Triton kernels as they are,
-    its tables built from Python."""
+    its tables built from Python, and bumps the version counters from Python."""
     monkeypatch.setattr(_backends, "extension_error", lambda: "not built, for the test")
     monkeypatch.setattr(_backends, "first_mismatched_grad", None)
     opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (4097,)])
     train(opt, params, 6)
     train(ref, ref_params, 6)
     assert_states_close(opt, params, ref, ref_params)
+    assert [p._version for p in params] == [6] * len(params)
 
 
 @pytest.mark.parametrize("path", ["triton"], indirect=True)
