@@ -83,6 +83,8 @@ def test_a_step_of_at_most_one_block_per_sm_is_a_single_launch(name):
     """An eager fused step whose chunks fit one block per SM is one kernel that also
     increments the step counters; a larger one is the step kernel plus the counter kernel.
     Both agree with the reference, counters included."""
+    if not _kernels_launched_by(lambda: torch.ones(4, device="cuda").mul_(2)):
+        pytest.skip("the profiler records no CUDA kernels here (CUPTI unavailable)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for blocks, expected in ((sms, ["single"]), (sms + 1, ["step", "increment"])):
         params = make_params([((blocks - 1) * 65536,), (3,)], device="cuda")  # one block each
