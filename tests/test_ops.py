@@ -163,8 +163,9 @@ def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(li
 @pytest.mark.parametrize("limits", [(64, 1, 1), (0, 0, 0)], ids=["one-block-launches", "defaults"])
 def test_single_launch_counters_skip_a_found_inf_step_and_count_empty_params(limits):
     """With blocks_done, a found_inf step still changes nothing (no block takes a ticket, so
-    the counter stays zero), and a step of nothing but empty tensors is one block that only
-    increments their counters."""
+    the counter stays zero), and a step of nothing but empty tensors still counts them: as a
+    single launch of one block without a chunk, or (tables of one tensor) by the counter
+    launch."""
     op = torch.ops.pnm_kernels.emulated_cuda_pnm_step_
     blocks_done = torch.zeros(1, dtype=torch.int32)
     set_launch_limits(*limits)
