@@ -603,6 +603,35 @@ struct StepLists : torch::CustomClassHolder {
               found_inf, blocks_done);
   }
 
+  // A step with the held parameters' own gradients (read here, so none cross over from
+  // Python). Returns false, having done nothing, when a parameter has no gradient or one
+  // not dense and laid out like it: the optimizer then takes its careful path, which says
+  // what is wrong.
+  bool pnm_step_own_grads(bool emulate, double lr, double beta1, double beta0,
+                          double weight_decay, bool decoupled, bool maximize,
+                          std::optional<at::Tensor> lr_tensor,
+                          std::optional<at::Tensor> grad_scale,
+                          std::optional<at::Tensor> found_inf) {
+    std::vector<at::Tensor> grads;
+    if (!own_grads(grads)) return false;
+    pnm_step(std::move(grads), emulate, lr, beta1, beta0, weight_decay, decoupled, maximize,
+             std::move(lr_tensor), std::move(grad_scale), std::move(found_inf));
+    return true;
+  }
+
+  bool adapnm_step_own_grads(bool emulate, double lr, double beta1, double beta2, double beta0,
+                             double eps, double weight_decay, bool amsgrad, bool decoupled,
+                             bool maximize, std::optional<at::Tensor> lr_tensor,
+                             std::optional<at::Tensor> grad_scale,
+                             std::optional<at::Tensor> found_inf) {
+    std::vector<at::Tensor> grads;
+    if (!own_grads(grads)) return false;
+    adapnm_step(std::move(grads), emulate, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
+                decoupled, maximize, std::move(lr_tensor), std::move(grad_scale),
+                std::move(found_inf));
+    return true;
+  }
+
   // For the Triton step, which writes through raw pointers: the version counters of the
   // params, the first num_buffers buffers and the counters (see bump_versions).
   void bump_versions(int64_t num_buffers) {
@@ -634,6 +663,16 @@ struct StepLists : torch::CustomClassHolder {
   }
 
  private:
+  bool own_grads(std::vector<at::Tensor>& grads) const {
+    grads.reserve(params.size());
+    for (const at::Tensor& p : params) {
+      const at::Tensor& g = p.grad();
+      if (!g.defined()) return false;
+      grads.push_back(g);
+    }
+    return first_mismatched_grad(params, grads, /*same_layout=*/true) < 0;
+  }
+
   template <class Fn>
   static c10::TypedOperatorHandle<Fn> find_op(const char* name) {
     return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
@@ -677,6 +716,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("pnm_step", &pnm::StepLists::pnm_step)
       .def("adapnm_step", &pnm::StepLists::adapnm_step)
       .def("pointers", &pnm::StepLists::pointers)
+      .def("pnm_step_own_grads", &pnm::StepLists::pnm_step_own_grads)
+      .def("adapnm_step_own_grads", &pnm::StepLists::adapnm_step_own_grads)
       .def("bump_versions", &pnm::StepLists::bump_versions);
 }
 

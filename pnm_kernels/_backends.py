@@ -127,24 +127,37 @@ def step_lists(batch):
     return lists
 
 
-def run_fused(adaptive, batch, hp, grad_scale, found_inf):
-    device = batch.params[0].device
+def _held_step_args(adaptive, hp, device, grad_scale, found_inf):
+    """The arguments of a StepLists step after its gradients, as the C++ methods take them."""
     emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
     lr, lr_tensor = split_lr(hp["lr"], device)
+    if adaptive:
+        return (emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"], hp["eps"],
+                hp["weight_decay"], hp["amsgrad"], hp["decoupled"], hp["maximize"], lr_tensor,
+                grad_scale, found_inf)
+    return (emulate, lr, hp["beta1"], hp["beta0"], hp["weight_decay"], hp["decoupled"],
+            hp["maximize"], lr_tensor, grad_scale, found_inf)
+
+
+def run_fused_own_grads(adaptive, lists, hp, device, grad_scale, found_inf) -> bool:
+    """A fused step of a held batch (a StepLists) with its parameters' own gradients, read in
+    C++; False, having done nothing, when one is missing or laid out unlike its parameter."""
+    args = _held_step_args(adaptive, hp, device, grad_scale, found_inf)
+    return lists.adapnm_step_own_grads(*args) if adaptive else lists.pnm_step_own_grads(*args)
+
+
+def run_fused(adaptive, batch, hp, grad_scale, found_inf):
+    device = batch.params[0].device
     if batch.memo is not None and not torch.compiler.is_compiling():
         # Eager steps of a cached batch: parameters, buffers and counters were handed to C++
         # once, and only the gradients cross over from Python. With thousands of small
         # tensors, converting the lists was most of a step's host time.
         lists = step_lists(batch)
-        if adaptive:
-            lists.adapnm_step(batch.grads, emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"],
-                              hp["eps"], hp["weight_decay"], hp["amsgrad"], hp["decoupled"],
-                              hp["maximize"], lr_tensor, grad_scale, found_inf)
-        else:
-            lists.pnm_step(batch.grads, emulate, lr, hp["beta1"], hp["beta0"],
-                           hp["weight_decay"], hp["decoupled"], hp["maximize"], lr_tensor,
-                           grad_scale, found_inf)
+        args = _held_step_args(adaptive, hp, device, grad_scale, found_inf)
+        (lists.adapnm_step if adaptive else lists.pnm_step)(batch.grads, *args)
         return
+    emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
+    lr, lr_tensor = split_lr(hp["lr"], device)
     ops = torch.ops.pnm_kernels
     common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"], weight_decay=hp["weight_decay"],
                   decoupled=hp["decoupled"], maximize=hp["maximize"], lr_tensor=lr_tensor,

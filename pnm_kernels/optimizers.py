@@ -131,6 +131,13 @@ except ImportError:  # torch built without distributed
     _DTensor = None
 
 
+def _signature(group: dict) -> tuple:
+    """A param group's hyper-parameters as they are now (a tensor by identity and version).
+    Eager only: _plan writes it out (see there)."""
+    return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
+                 for k, v in group.items() if k != "params")
+
+
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place."""
     return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
@@ -201,6 +208,8 @@ class _PositiveNegativeMomentum(Optimizer):
         found = []  # (gi, group, key, grouping, from the cache?, grads, indices)
         for gi, group in enumerate(self.param_groups):
             # Re-validate only when a hyper-parameter changed (a scheduler, a user's edit).
+            # _signature(group), written out: torch.compile traces this, and through the
+            # call it saw a tensor lr as changed (a graph break, its .item() in validation).
             signature = tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
                               for k, v in group.items() if k != "params")
             if validated.get(id(group)) != signature:
@@ -379,12 +388,19 @@ class _PositiveNegativeMomentum(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        plan = self._plan()  # raises before any parameter or state is touched
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        try:
+            if self._repeat_step(grad_scale, found_inf):
+                return loss
+        except RuntimeError:  # refused before touching anything: the careful path says why
+            pass
+        self.__dict__.pop("_repeat", None)  # remembered again only after a step like it
+        plan = self._plan()  # raises before any parameter or state is touched
         if plan and plan[0].origin is not None:  # its gradients are checked by the kernel
             try:
                 self._run(plan, grad_scale, found_inf)
+                self._remember_step(plan[0])
                 return loss
             except RuntimeError as e:
                 refusal = e
@@ -394,6 +410,41 @@ class _PositiveNegativeMomentum(Optimizer):
             plan = self._plan(defer=False)
         self._run(plan, grad_scale, found_inf)
         return loss
+
+    def _remember_step(self, item):
+        """After a step that was one cached batch for the fused kernels, held in C++ (one
+        param group, every parameter with a gradient): what the next step needs to repeat
+        it without planning (see _repeat_step)."""
+        group = item.group
+        if len(self.param_groups) != 1 or len(item.params) != len(group["params"]):
+            return
+        cached = self._cached_batch(group, item.backend, item.ids)
+        memo = cached.memo if cached is not None else None
+        lists = memo.get("step_lists") if memo is not None else None
+        if lists is not None:
+            self._repeat = (group, list(group["params"]), self._validated[id(group)],
+                            self._state_version(), lists, item.params[0].device)
+
+    def _repeat_step(self, grad_scale, found_inf):
+        """The last step again, if it was remembered and nothing it depends on changed: the
+        same group and parameters, hyper-parameters and state. The C++ lists read the
+        gradients themselves, so an eager step over thousands of tensors costs no Python
+        loop. False, having done nothing, when it does not apply (a missing or unusually laid
+        out gradient included)."""
+        repeat = self.__dict__.get("_repeat")
+        if repeat is None or torch.compiler.is_compiling():
+            return False
+        group, params, signature, version, lists, device = repeat
+        if (len(self.param_groups) != 1 or self.param_groups[0] is not group
+                or self._state_version() != version or _signature(group) != signature):
+            return False
+        current = group["params"]
+        if len(current) != len(params) or not all(map(operator.is_, current, params)):
+            return False
+        grad_scale, found_inf = (None if t is None else t.to(device, non_blocking=True)
+                                 for t in (grad_scale, found_inf))
+        return _backends.run_fused_own_grads(self._adaptive, lists, self._hyper(group), device,
+                                             grad_scale, found_inf)
 
     def _run(self, plan, grad_scale, found_inf):
         per_device = {}

@@ -555,3 +555,36 @@ def test_a_backward_through_a_graph_that_saved_a_stepped_parameter_raises(path, 
     assert opt.state[w]["step"]._version > 0
     with pytest.raises(RuntimeError, match="modified by an inplace operation"):
         loss.backward()
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_a_parameter_replaced_in_its_group_between_steps_is_followed(path, name):
+    """Steps after the first repeat the last one without planning while nothing they depend
+    on changed; a parameter swapped into the group's own list in place is such a change."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        newcomer = ps[1].detach().clone().mul_(2).requires_grad_()
+        o.param_groups[0]["params"][1] = newcomer
+        ps[1] = newcomer
+        train(o, ps, 3, start=3)
+    assert opt.state[params[1]]["step"].item() == 3 and opt.state[params[0]]["step"].item() == 6
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_a_hyper_parameter_edited_between_steps_is_validated_again(path, name):
+    """A repeated step checks that no hyper-parameter changed since the last one; an edited
+    group is validated again, with the same errors as at construction."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 3)
+    opt.param_groups[0]["backend"] = "fastest"
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: backend must be one of"):
+        opt.step()
+    opt.param_groups[0]["backend"] = path
+    opt.param_groups[0]["weight_decay"] = -0.5
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*weight_decay"):
+        opt.step()
