@@ -632,6 +632,13 @@ struct StepLists : torch::CustomClassHolder {
     return true;
   }
 
+  // Whether a step with the held parameters' own gradients would go ahead (see
+  // pnm_step_own_grads): a step over several batches checks them all first.
+  bool own_grads_ready() const {
+    std::vector<at::Tensor> grads;
+    return own_grads(grads);
+  }
+
   // For the Triton step, which writes through raw pointers: the version counters of the
   // params, the first num_buffers buffers and the counters (see bump_versions).
   void bump_versions(int64_t num_buffers) {
@@ -718,6 +725,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("pointers", &pnm::StepLists::pointers)
       .def("pnm_step_own_grads", &pnm::StepLists::pnm_step_own_grads)
       .def("adapnm_step_own_grads", &pnm::StepLists::adapnm_step_own_grads)
+      .def("own_grads_ready", &pnm::StepLists::own_grads_ready)
       .def("bump_versions", &pnm::StepLists::bump_versions);
 }
 

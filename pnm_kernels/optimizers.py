@@ -390,17 +390,14 @@ class _PositiveNegativeMomentum(Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
-        try:
-            if self._repeat_step(grad_scale, found_inf):
-                return loss
-        except RuntimeError:  # refused before touching anything: the careful path says why
-            pass
+        if self._repeat_step(grad_scale, found_inf):
+            return loss
         self.__dict__.pop("_repeat", None)  # remembered again only after a step like it
         plan = self._plan()  # raises before any parameter or state is touched
         if plan and plan[0].origin is not None:  # its gradients are checked by the kernel
             try:
                 self._run(plan, grad_scale, found_inf)
-                self._remember_step(plan[0])
+                self._remember_step(plan)
                 return loss
             except RuntimeError as e:
                 refusal = e
@@ -409,42 +406,66 @@ class _PositiveNegativeMomentum(Optimizer):
                 raise refusal
             plan = self._plan(defer=False)
         self._run(plan, grad_scale, found_inf)
+        self._remember_step(plan)
         return loss
 
-    def _remember_step(self, item):
-        """After a step that was one cached batch for the fused kernels, held in C++ (one
-        param group, every parameter with a gradient): what the next step needs to repeat
-        it without planning (see _repeat_step)."""
-        group = item.group
-        if len(self.param_groups) != 1 or len(item.params) != len(group["params"]):
+    def _remember_step(self, plan):
+        """After a step in which every param group was one cached fused batch held in C++,
+        with a gradient for each of its parameters: what the next step needs to repeat it
+        without planning (see _repeat_step)."""
+        groups = self.param_groups
+        if len(plan) != len(groups):
             return
-        cached = self._cached_batch(group, item.backend, item.ids)
-        memo = cached.memo if cached is not None else None
-        lists = memo.get("step_lists") if memo is not None else None
-        if lists is not None:
-            self._repeat = (group, list(group["params"]), self._validated[id(group)],
-                            self._state_version(), lists, item.params[0].device)
+        entries = []
+        for item, group in zip(plan, groups):
+            if (item.group is not group or item.backend != "fused"
+                    or len(item.params) != len(group["params"])):
+                return
+            cached = self._cached_batch(group, item.backend, item.ids)
+            memo = cached.memo if cached is not None else None
+            lists = memo.get("step_lists") if memo is not None else None
+            if lists is None:
+                return
+            entries.append((group, list(group["params"]), self._validated[id(group)], lists,
+                            item.params[0].device))
+        self._repeat = (self._state_version(), entries)
 
     def _repeat_step(self, grad_scale, found_inf):
         """The last step again, if it was remembered and nothing it depends on changed: the
-        same group and parameters, hyper-parameters and state. The C++ lists read the
+        same groups and parameters, hyper-parameters and state. The C++ lists read the
         gradients themselves, so an eager step over thousands of tensors costs no Python
         loop. False, having done nothing, when it does not apply (a missing or unusually laid
-        out gradient included)."""
+        out gradient included, or a batch's kernel refusing its arguments)."""
         repeat = self.__dict__.get("_repeat")
         if repeat is None or torch.compiler.is_compiling():
             return False
-        group, params, signature, version, lists, device = repeat
-        if (len(self.param_groups) != 1 or self.param_groups[0] is not group
-                or self._state_version() != version or _signature(group) != signature):
+        version, entries = repeat
+        groups = self.param_groups
+        if len(groups) != len(entries) or self._state_version() != version:
             return False
-        current = group["params"]
-        if len(current) != len(params) or not all(map(operator.is_, current, params)):
+        for group, (same, params, signature, _, _) in zip(groups, entries):
+            current = group["params"]
+            if (group is not same or _signature(group) != signature
+                    or len(current) != len(params)
+                    or not all(map(operator.is_, current, params))):
+                return False
+        if len(entries) > 1 and not all(e[3].own_grads_ready() for e in entries):
             return False
-        grad_scale, found_inf = (None if t is None else t.to(device, non_blocking=True)
-                                 for t in (grad_scale, found_inf))
-        return _backends.run_fused_own_grads(self._adaptive, lists, self._hyper(group), device,
-                                             grad_scale, found_inf)
+        for i, (group, _, _, lists, device) in enumerate(entries):
+            try:
+                done = _backends.run_fused_own_grads(
+                    self._adaptive, lists, self._hyper(group), device,
+                    *(None if t is None else t.to(device, non_blocking=True)
+                      for t in (grad_scale, found_inf)))
+            except RuntimeError:
+                if i == 0:  # refused before touching anything: the careful path says why
+                    return False
+                raise  # a later batch refused after earlier ones stepped, as in _run
+            if not done:
+                if i == 0:
+                    return False
+                raise RuntimeError("pnm_kernels: gradients changed during a step")
+        return True
 
     def _run(self, plan, grad_scale, found_inf):
         per_device = {}

@@ -588,3 +588,30 @@ def test_a_hyper_parameter_edited_between_steps_is_validated_again(path, name):
     opt.param_groups[0]["weight_decay"] = -0.5
     with pytest.raises(ValueError, match=r"param_groups\[0\].*weight_decay"):
         opt.step()
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_repeated_steps_over_several_groups_match_the_reference(path, name):
+    """Two param groups (say, with and without weight decay) stepping together, then one
+    parameter without a gradient for a step, then a bad gradient in the second group: the
+    repeated steps agree with the reference, and the bad one is refused, naming it, with
+    nothing written in either group."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,), (4,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        o.param_groups[0]["params"] = ps[:2]
+        o.add_param_group(dict(params=ps[2:], weight_decay=0.0, lr=3e-3))
+        train(o, ps, 4)
+        ps[3].grad = None
+        train(o, ps[:3], 1, start=4)
+        train(o, ps, 3, start=5)
+    assert_states_close(opt, params, ref, ref_params)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[3].grad.data = torch.ones(4, dtype=torch.float64)  # the setter would refuse it
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[1\]"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
