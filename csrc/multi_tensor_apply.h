@@ -115,13 +115,18 @@ PNM_HOST_DEVICE float widen(c10::BFloat16 v) {
   return out;
 }
 
+// An inf/NaN found in the gradients (AMP): the step changes nothing, counters included.
+PNM_HOST_DEVICE bool step_skipped(const float* found_inf) {
+  return found_inf != nullptr && *found_inf != 0.0f;
+}
+
 // The body of one thread block: one chunk of one tensor.
 template <typename T, class Algo>
 PNM_HOST_DEVICE void step_block(const LaunchTable<Algo::kLists>& tab, const StepArgs& args,
                                 int block, int thread, int block_dim) {
   constexpr int L = Algo::kLists;
   constexpr int kVec = kVecBytes / sizeof(T);
-  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  if (step_skipped(args.found_inf)) return;
 
   const int slot = tab.block_tensor[block];
   const int64_t begin = static_cast<int64_t>(tab.block_chunk[block]) * tab.chunk_size;
@@ -192,7 +197,7 @@ PNM_UNROLL
 
 PNM_HOST_DEVICE void increment_steps(const StepCounterTable& tab, const float* found_inf,
                                      int thread, int block_dim) {
-  if (found_inf != nullptr && *found_inf != 0.0f) return;
+  if (step_skipped(found_inf)) return;
   for (int i = thread; i < tab.count; i += block_dim) *tab.steps[i] += 1.0f;
 }
 

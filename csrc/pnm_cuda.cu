@@ -26,7 +26,7 @@ template <typename T, class Algo>
 __global__ void __launch_bounds__(kBlockSize, 1)
     single_launch_step_kernel(const __grid_constant__ LaunchTable<Algo::kLists> table,
                               const StepArgs args) {
-  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  if (step_skipped(args.found_inf)) return;
   // A table of empty tensors only is launched as one block without a chunk.
   if (static_cast<int>(blockIdx.x) < table.num_blocks) {
     step_block<T, Algo>(table, args, blockIdx.x, threadIdx.x, blockDim.x);

@@ -412,7 +412,7 @@ void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, floa
 
 template <typename T, class Algo>
 void run_cpu_fused(const StepCall& call, const StepArgs& args) {
-  if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+  if (step_skipped(args.found_inf)) return;
   const int64_t n = call.size();
   const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
   const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
@@ -457,7 +457,7 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
                                             launch_limits());
   if (make_single_launch(tables, blocks_done, launch_limits().max_single_launch_blocks)) {
-    if (args.found_inf != nullptr && *args.found_inf != 0.0f) return;
+    if (step_skipped(args.found_inf)) return;
     const LaunchTable<Algo::kLists>& table = tables[0];
     const int grid = single_launch_grid(table);
     for (int block = 0; block < grid; ++block) {
