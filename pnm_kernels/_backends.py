@@ -127,10 +127,16 @@ def step_lists(batch):
     return lists
 
 
+def _emulate_and_lr(hp, device):
+    """Whether the CUDA kernels' code runs emulated on these CPU tensors, and the lr as the
+    kernels take it (see split_lr)."""
+    return (device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1",
+            *split_lr(hp["lr"], device))
+
+
 def _held_step_args(adaptive, hp, device, grad_scale, found_inf):
     """The arguments of a StepLists step after its gradients, as the C++ methods take them."""
-    emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
-    lr, lr_tensor = split_lr(hp["lr"], device)
+    emulate, lr, lr_tensor = _emulate_and_lr(hp, device)
     if adaptive:
         return (emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"], hp["eps"],
                 hp["weight_decay"], hp["amsgrad"], hp["decoupled"], hp["maximize"], lr_tensor,
@@ -156,8 +162,7 @@ def run_fused(adaptive, batch, hp, grad_scale, found_inf):
         args = _held_step_args(adaptive, hp, device, grad_scale, found_inf)
         (lists.adapnm_step if adaptive else lists.pnm_step)(batch.grads, *args)
         return
-    emulate = device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
-    lr, lr_tensor = split_lr(hp["lr"], device)
+    emulate, lr, lr_tensor = _emulate_and_lr(hp, device)
     ops = torch.ops.pnm_kernels
     common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"], weight_decay=hp["weight_decay"],
                   decoupled=hp["decoupled"], maximize=hp["maximize"], lr_tensor=lr_tensor,
