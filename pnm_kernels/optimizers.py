@@ -396,8 +396,7 @@ class _PositiveNegativeMomentum(Optimizer):
         plan = self._plan()  # raises before any parameter or state is touched
         if plan and plan[0].origin is not None:  # its gradients are checked by the kernel
             try:
-                self._run(plan, grad_scale, found_inf)
-                self._remember_step(plan)
+                self._remember_step(plan, self._run(plan, grad_scale, found_inf))
                 return loss
             except RuntimeError as e:
                 refusal = e
@@ -405,25 +404,22 @@ class _PositiveNegativeMomentum(Optimizer):
             if not self._refusal_explained(plan[0]):
                 raise refusal
             plan = self._plan(defer=False)
-        self._run(plan, grad_scale, found_inf)
-        self._remember_step(plan)
+        self._remember_step(plan, self._run(plan, grad_scale, found_inf))
         return loss
 
-    def _remember_step(self, plan):
-        """After a step in which every param group was one cached fused batch held in C++,
-        with a gradient for each of its parameters: what the next step needs to repeat it
-        without planning (see _repeat_step)."""
+    def _remember_step(self, plan, batches):
+        """After a step (these plan items, run as these batches) in which every param group
+        was one fused batch held in C++, with a gradient for each of its parameters: what the
+        next step needs to repeat it without planning (see _repeat_step)."""
         groups = self.param_groups
         if len(plan) != len(groups):
             return
         entries = []
-        for item, group in zip(plan, groups):
+        for item, batch, group in zip(plan, batches, groups):
             if (item.group is not group or item.backend != "fused"
                     or len(item.params) != len(group["params"])):
                 return
-            cached = self._cached_batch(group, item.backend, item.ids)
-            memo = cached.memo if cached is not None else None
-            lists = memo.get("step_lists") if memo is not None else None
+            lists = batch.memo.get("step_lists") if batch.memo is not None else None
             if lists is None:
                 return
             entries.append((group, list(group["params"]), self._validated[id(group)], lists,
@@ -468,9 +464,12 @@ class _PositiveNegativeMomentum(Optimizer):
         return True
 
     def _run(self, plan, grad_scale, found_inf):
+        """Runs every item of the plan; returns the batches it ran."""
         per_device = {}
+        batches = []
         for item in plan:
             batch, writebacks = self._batch(item)
+            batches.append(batch)
             device = batch.params[0].device
             if device not in per_device:
                 per_device[device] = tuple(
@@ -480,6 +479,7 @@ class _PositiveNegativeMomentum(Optimizer):
                                             *per_device[device])
             for param, dense in writebacks:
                 param.copy_(dense)
+        return batches
 
     def _refusal_explained(self, item):
         """The fused kernel refused a batch whose gradient check was left to it. It checks
