@@ -27,12 +27,28 @@ with_cuda = os.environ.get("PNM_KERNELS_NO_CUDA", "0") != "1" and (
 )
 
 cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
-# The C++ runtime must be torch's own shared libstdc++: a compiler wrapper that links it
-# statically (as one GPU image's CXX does) gives the extension a private copy whose streams
-# and locales clash with torch's, and formatting an error message then crashes. Naming the
-# shared library first, whatever the driver appends later, keeps one runtime in the process.
-link_flags = ["-fopenmp", "-Wl,--push-state,--no-as-needed,-Bdynamic", "-lstdc++",
-              "-Wl,--pop-state"]
+
+
+def torch_libstdcxx():
+    """The shared libstdc++ this process (torch) has loaded, as a path; None if not found."""
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                path = line.split()[-1]
+                if os.path.basename(path).startswith("libstdc++.so"):
+                    return path
+    except OSError:
+        pass
+    return None
+
+
+# The C++ runtime must be torch's own shared libstdc++: a compiler whose library directory
+# holds only libstdc++.a (as one GPU image's /opt/gcc does) gives the extension a private
+# copy whose locale facets clash with torch's, and formatting an error message then crashes.
+# Naming the loaded library by its path, before anything the driver appends, binds every
+# C++ runtime symbol to it; `-lstdc++` would pick whichever libstdc++ the compiler finds.
+libstdcxx = torch_libstdcxx() or "-lstdc++"
+link_flags = ["-fopenmp", "-Wl,--push-state,--no-as-needed", libstdcxx, "-Wl,--pop-state"]
 sources = ["csrc/pnm_ops.cpp"]
 if with_cuda:
     sources.append("csrc/pnm_cuda.cu")

@@ -24,7 +24,8 @@ from pnm_kernels.triton_kernels import LaunchConfig, set_launch_config  # noqa: 
 from bench_step import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E402
 
 CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4096, 4, 16),
-              LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16)]
+              LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16),
+              LaunchConfig(8192, 2, 32), LaunchConfig(8192, 4, 16), LaunchConfig(16384, 1, 32)]
 
 
 def time_step(opt, device, repeats):

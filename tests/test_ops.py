@@ -1,5 +1,8 @@
 """The compiled ops themselves: schemas and fake kernels (opcheck), argument checks in C++,
 and the CUDA launch planner, exercised through its CPU emulation."""
+import shutil
+import subprocess
+
 import pytest
 import torch
 
@@ -118,6 +121,19 @@ def test_bad_scalars_raise_in_cpp(kw, message):
     statically linked libstdc++) formats numbers wrongly or crashes here, and must not pass."""
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pnm_kernels.pnm_step_(*pnm_args(), **pnm_kwargs(**kw))
+
+
+@pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
+def test_the_extension_carries_no_copy_of_the_cpp_runtime():
+    """Every libstdc++ symbol is bound to the shared library torch loaded: a private copy in
+    _C (a compiler that finds only libstdc++.a) is what made the error messages above crash
+    on a GPU image. Checked on the built library, whatever compiler built it."""
+    import pnm_kernels._C as ext
+    defined = subprocess.run(["nm", "-D", "--defined-only", "-C", ext.__file__],
+                             capture_output=True, text=True, check=True).stdout
+    runtime = [line for line in defined.splitlines()
+               if " std::basic_ostream" in line or " std::locale::" in line]
+    assert not runtime, f"{ext.__file__} defines C++ runtime symbols: {runtime[:3]}"
 
 
 @pytest.mark.parametrize("counters", ["second-launch", "single-launch", "capped"])
