@@ -35,6 +35,7 @@ stage() {
   python3 -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
   python3 --version
   nvcc --version | tail -2
+  echo "CXX=${CXX:-} ($("${CXX:-g++}" --version | head -1))"
   echo "command: bash benchmarks/gpu_check.sh $*"
 } > "$WORK/versions.txt" 2>&1
 cat "$WORK/versions.txt"
