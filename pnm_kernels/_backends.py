@@ -184,10 +184,10 @@ def run_triton(adaptive, batch, hp, grad_scale, found_inf):
     triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)
 
 
-def run_many(adaptive, batch, hp, grad_scale, found_inf):
-    """"auto" for a CUDA batch of many tensors: the Triton step, whose pointer tables stay on
-    the GPU from step to step, so the host does less per step. Inside a CUDA-graph capture
-    (where gradients allocated in the capture could not be entered in those tables) and under
+def run_triton_eager(adaptive, batch, hp, grad_scale, found_inf):
+    """"auto" for a large CUDA batch: the Triton step, which moved its bytes a few per cent
+    faster than the fused kernels there. Inside a CUDA-graph capture (where gradients
+    allocated in the capture could not be entered in its pointer tables) and under
     torch.compile, the fused step runs instead: the same state and maths."""
     if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
         run_fused(adaptive, batch, hp, grad_scale, found_inf)
@@ -207,21 +207,22 @@ def _native_first_mismatched_grad():
 first_mismatched_grad = _native_first_mismatched_grad()
 
 RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fused,
-           "triton": run_triton, "many": run_many}
+           "triton": run_triton, "triton_eager": run_triton_eager}
 # Backends whose kernels need every tensor dense and laid out like its parameter.
-FLAT_BACKENDS = ("fused", "triton", "many")
-# "auto" on CUDA, from benchmarks/results/bench_step-cuda-*.md (H200, 2026-11-26): over 2,000
-# tensors the Triton step took 15-30 % less time than the fused one (host-bound: 1.17 vs
-# 1.42 ms per PNM step on 2,000 tensors of 16 elements); with 161 tensors or fewer the fused
-# step was faster (ResNet-50: 0.19 vs 0.23 ms), and on large tensors the two were within 3 %
-# in fp32 while the fused one was faster in bf16. Between 161 and 2,000 nothing was measured.
-AUTO_TRITON_MIN_TENSORS = 1000
+FLAT_BACKENDS = ("fused", "triton", "triton_eager")
+# "auto" on CUDA, from benchmarks/results/bench_step-cuda-*.md (H200, 2026-11-26): the fused
+# step took less time on every set under 2^27 elements, by its lower host time (2,000 tensors
+# of 16 elements: 0.94 vs 1.90 ms per PNM step; one tensor of 2^20: 0.044 vs 0.147 ms), and
+# the Triton step 4-6 % less in fp32 from 2^28 elements up (flat256M, llama-1b, flat1024M;
+# 0-3 % in bf16), where its kernel reached 99-102 % of the measured copy bandwidth against
+# 94-96 %. Between 2^27 and 2^28 (gpt2-124m) the two were within 3 %.
+AUTO_TRITON_MIN_NUMEL = 1 << 28
 
 
-def auto_prefers_triton(device: torch.device, count: Optional[int]) -> bool:
-    """Whether "auto" runs a CUDA batch of `count` tensors on the Triton kernels: only for
-    many tensors, and only on the GPU generation where that was measured (Hopper)."""
-    if count is None or count < AUTO_TRITON_MIN_TENSORS or device.type != "cuda":
+def auto_prefers_triton(device: torch.device, numel: Optional[int]) -> bool:
+    """Whether "auto" runs a CUDA batch of `numel` elements on the Triton kernels: only for
+    large batches, and only on the GPU generation where that was measured (Hopper)."""
+    if numel is None or numel < AUTO_TRITON_MIN_NUMEL or device.type != "cuda":
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
 
@@ -258,8 +259,8 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optio
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
-                    count: Optional[int] = None) -> str:
-    """The backend that runs a batch (of `count` tensors, when known): the one asked for, or
+                    numel: Optional[int] = None) -> str:
+    """The backend that runs a batch (of `numel` elements, when known): the one asked for, or
     for "auto" the fastest available as measured. Raises RuntimeError/ValueError saying why a
     requested backend cannot run."""
     if requested in ("reference", "foreach"):
@@ -272,9 +273,9 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         reason = triton_unavailable_reason(device, dtype)
     else:  # auto
         if fused_unavailable_reason(device, dtype) is None:
-            if (auto_prefers_triton(device, count)
+            if (auto_prefers_triton(device, numel)
                     and triton_unavailable_reason(device, dtype) is None):
-                return "many"
+                return "triton_eager"
             return "fused"
         if device.type == "cuda" and triton_unavailable_reason(device, dtype) is None:
             return "triton"

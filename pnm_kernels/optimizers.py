@@ -277,10 +277,11 @@ class _PositiveNegativeMomentum(Optimizer):
                 batches[key][2][0] = False  # tensor subclasses (DTensor) stay out of the C++ check
         out = []
         for (device, dtype), (backend, idx, plain) in batches.items():
-            # "auto" may depend on the count; only plain tensors, whose lists are held in C++
-            # between steps, were measured (DTensor batches are not cached).
+            # "auto" may depend on the batch's size; only plain tensors, whose lists are held
+            # in C++ between steps, were measured (DTensor batches are not cached).
             if group["backend"] == "auto" and backend == "fused" and plain[0]:
-                backend = _backends.resolve_backend("auto", device, dtype.to_real(), len(idx))
+                numel = sum(group["params"][pi].numel() for pi in idx)
+                backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel)
             out.append((backend, idx, plain[0]))
         return out
 

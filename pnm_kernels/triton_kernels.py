@@ -155,9 +155,10 @@ class LaunchConfig:
 # Per GPU generation; the interpreter gets small chunks so tests cross chunk boundaries.
 _CONFIGS = {
     "interpreter": LaunchConfig(block=64, iters=2, num_warps=4),
-    # Hopper: benchmarks/tune_triton.py on an H200 (2026-11-26, 2^28 elements) put 8192x2 with
-    # 16 warps first or within 0.2 % of first for PNM and AdaPNM in fp32 and bf16 (bf16
-    # AdaPNM: 88 % of copy bandwidth, against 68 % for the 2048x8, 8 warps used before).
+    # Hopper: benchmarks/tune_triton.py on an H200 (2026-11-26, 2^28 elements, two runs): 8192
+    # elements x 2 iterations with 16 warps was within 1 % of the best configuration tried
+    # in fp32 (PNM, AdaPNM) and within 1.5 % (AdaPNM) and 3.5 % (PNM) in bf16, where the
+    # 2048 x 8, 8 warps used before reached 66-68 % of copy bandwidth in AdaPNM against 88-89 %.
     9: LaunchConfig(block=8192, iters=2, num_warps=16),
     8: LaunchConfig(block=1024, iters=16, num_warps=4),  # Ampere / Ada
 }

@@ -9,19 +9,19 @@ pytestmark = requires_cuda
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
-@pytest.mark.parametrize("backend", ["fused", "triton", "auto-many"])
+@pytest.mark.parametrize("backend", ["fused", "triton", "auto-large"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_to_none,
                                                              monkeypatch):
     """set_to_none=True is torch's own recipe (gradients allocated inside the capture); the
     Triton tables would need a copy inside the capture there and it refuses, saying so.
-    "auto-many": "auto" where every batch counts as many tensors (Triton eagerly, the fused
+    "auto-large": "auto" where every batch counts as large (Triton eagerly, the fused
     kernels inside the capture)."""
     if backend == "triton" and set_to_none:
         pytest.skip("Triton: gradients must persist across a capture (see triton_kernels)")
-    if backend == "auto-many":
+    if backend == "auto-large":
         from pnm_kernels import _backends
-        monkeypatch.setattr(_backends, "AUTO_TRITON_MIN_TENSORS", 1)
+        monkeypatch.setattr(_backends, "AUTO_TRITON_MIN_NUMEL", 1)
         backend = "auto"
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
