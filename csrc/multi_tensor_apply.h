@@ -1,7 +1,7 @@
 // Multi-tensor apply for the CUDA kernels, written so the same code also runs on the host.
 //
-// A step over many tensors is cut into chunks; one launch covers up to kMaxBlocks chunks of
-// up to kMaxTensors tensors. The whole chunk map travels as a kernel argument
+// A step over many tensors is cut into chunks; one launch covers every chunk of up to
+// kMaxTensors tensors (about 400 to 530). The whole chunk map travels as a kernel argument
 // (__grid_constant__, < 32 KiB, CUDA >= 12.1), so a launch needs no host-to-device copy and a
 // CUDA graph captures it as it is. step_block() is the body of one thread block; the CUDA
 // launcher calls it from a __global__ function, the CPU emulation (CI has no GPU) calls it from
@@ -48,13 +48,17 @@ struct AdaPnmAlgo {
 
 template <int kLists>
 struct LaunchTable {
-  static constexpr int kMaxBlocks = 1280;
-  static constexpr int kMaxTensors = (30000 - 6 * kMaxBlocks) / (8 * kLists + 16);
+  // A launch is cut only by its tensor slots: a table names each tensor's first block and
+  // first chunk, not every block, so one launch covers a whole large step (an earlier table of
+  // 1,280 blocks cut a 1G-element step into 13 launches).
+  static constexpr int kMaxBlocks = 1 << 30;
+  static constexpr int kMaxTensors = 30000 / (8 * kLists + 24);
   void* ptrs[kLists][kMaxTensors];
   float* steps[kMaxTensors];
   int64_t numels[kMaxTensors];
-  int32_t block_chunk[kMaxBlocks];    // chunk index inside its tensor
-  uint16_t block_tensor[kMaxBlocks];  // tensor slot in this table
+  int32_t block_begin[kMaxTensors];  // the slot's first block; its blocks end where the next
+                                     // slot's begin (empty tensors own none)
+  int32_t first_chunk[kMaxTensors];  // chunk index inside the tensor of the slot's first block
   int64_t chunk_size;
   // Set when this launch is the whole step and increments its counters itself (see
   // finish_launch); null otherwise.
@@ -62,6 +66,29 @@ struct LaunchTable {
   int num_tensors;
   int num_blocks;
 };
+
+// Which chunk of which tensor slot a block updates. The slot is the last one beginning at or
+// before the block (an empty tensor begins where the next one does, so it is never the last):
+// a binary search over the table.
+struct BlockChunk {
+  int slot;
+  int64_t chunk;  // inside its tensor
+};
+
+template <int kLists>
+PNM_HOST_DEVICE BlockChunk block_chunk(const LaunchTable<kLists>& tab, int block) {
+  int lo = 0;
+  int hi = tab.num_tensors - 1;
+  while (lo < hi) {
+    const int mid = (lo + hi + 1) / 2;
+    if (tab.block_begin[mid] <= block) {
+      lo = mid;
+    } else {
+      hi = mid - 1;
+    }
+  }
+  return {lo, tab.first_chunk[lo] + static_cast<int64_t>(block - tab.block_begin[lo])};
+}
 
 // Step counters are incremented by a second, tiny launch after the launches that read them,
 // unless the step is a single launch given a blocks_done counter.
@@ -128,8 +155,9 @@ PNM_HOST_DEVICE void step_block(const LaunchTable<Algo::kLists>& tab, const Step
   constexpr int kVec = kVecBytes / sizeof(T);
   if (step_skipped(args.found_inf)) return;
 
-  const int slot = tab.block_tensor[block];
-  const int64_t begin = static_cast<int64_t>(tab.block_chunk[block]) * tab.chunk_size;
+  const BlockChunk where = block_chunk(tab, block);
+  const int slot = where.slot;
+  const int64_t begin = where.chunk * tab.chunk_size;
   const int64_t left = tab.numels[slot] - begin;
   const int64_t n = left < tab.chunk_size ? left : tab.chunk_size;
   // The counter is incremented only after every block has read it: this step is t = old + 1.
@@ -241,25 +269,27 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
     cur->num_tensors = 0;
     cur->num_blocks = 0;
   };
-  auto add_tensor = [&](int i) {
+  auto add_tensor = [&](int i, int64_t first_chunk) {
     const int slot = cur->num_tensors++;
     for (int l = 0; l < kLists; ++l) cur->ptrs[l][slot] = ptrs[i * kLists + l];
     cur->steps[slot] = steps[i];
     cur->numels[slot] = numels[i];
-    return slot;
+    cur->block_begin[slot] = cur->num_blocks;
+    cur->first_chunk[slot] = static_cast<int32_t>(first_chunk);
   };
   for (int i = 0; i < num_tensors; ++i) {
     if (cur == nullptr || cur->num_tensors == max_tensors) open_table();
-    int slot = add_tensor(i);
+    add_tensor(i, 0);
     const int64_t chunks = (numels[i] + limits.chunk_size - 1) / limits.chunk_size;
-    for (int64_t chunk = 0; chunk < chunks; ++chunk) {
-      if (cur->num_blocks == max_blocks) {
+    for (int64_t chunk = 0; chunk < chunks;) {
+      if (cur->num_blocks == max_blocks) {  // continued in the next table
         open_table();
-        slot = add_tensor(i);
+        add_tensor(i, chunk);
       }
-      cur->block_tensor[cur->num_blocks] = static_cast<uint16_t>(slot);
-      cur->block_chunk[cur->num_blocks] = static_cast<int32_t>(chunk);
-      ++cur->num_blocks;
+      const int64_t room = max_blocks - cur->num_blocks;
+      const int64_t take = chunks - chunk < room ? chunks - chunk : room;
+      cur->num_blocks += static_cast<int>(take);
+      chunk += take;
     }
   }
   return tables;

@@ -540,11 +540,11 @@ std::vector<int64_t> launch_plan(at::IntArrayRef numels) {
                                             launch_limits());
   std::vector<int64_t> out;
   for (size_t t = 0; t < tables.size(); ++t) {
-    for (int b = 0; b < tables[t].num_blocks; ++b) {
-      const int slot = tables[t].block_tensor[b];
+    for (int b = 0; b < tables[t].num_blocks; ++b) {  // each block as step_block finds it
+      const BlockChunk where = block_chunk(tables[t], b);
       out.push_back(static_cast<int64_t>(t));
-      out.push_back(reinterpret_cast<intptr_t>(tables[t].ptrs[0][slot]) / 64 - 1);
-      out.push_back(tables[t].block_chunk[b]);
+      out.push_back(reinterpret_cast<intptr_t>(tables[t].ptrs[0][where.slot]) / 64 - 1);
+      out.push_back(where.chunk);
     }
   }
   return out;

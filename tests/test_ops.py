@@ -237,20 +237,29 @@ def test_launch_plan_covers_every_chunk_once_in_order(limits):
     assert tables == sorted(tables)
     for table in set(tables):
         blocks = [b for b in plan if b[0] == table]
-        assert len(blocks) <= (limits[2] or 1280)
-        assert len({t for _, t, _ in blocks}) <= (limits[1] or 465)
+        if limits[2]:
+            assert len(blocks) <= limits[2]
+        assert len({t for _, t, _ in blocks}) <= (limits[1] or 535)
 
 
 def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
     """Chunk offsets are 64-bit: a 2^31 + 5 element tensor gets 32,769 chunks of 65,536, its
-    last one holding the 5 elements past 2^31, spread over launches of at most 1,280 blocks."""
+    last one holding the 5 elements past 2^31, in the same launch as its neighbours."""
     plan = _plan([3, 2**31 + 5, 9])
-    big = [(table, c) for table, t, c in plan if t == 1]
-    assert [c for _, c in big] == list(range(32769))
-    assert big[-1][1] * 65536 == 2**31
-    # table 0 holds tensor 0's block and the first 1,279 chunks of tensor 1; 25 more follow
-    assert len({table for table, _ in big}) == 1 + -(-(32769 - 1279) // 1280) == 26
+    big = [c for table, t, c in plan if t == 1]
+    assert big == list(range(32769))
+    assert big[-1] * 65536 == 2**31
+    assert {table for table, _, _ in plan} == {0}
     assert plan[-1][1:] == (2, 0)
+
+
+def test_a_large_model_is_one_launch_and_many_tensors_are_few():
+    """Launches are cut by tensor slots only (535 a table for PNM), never by chunk count: a
+    Llama-1B-sized step of 146 tensors, 18,857 chunks, is one launch; 2,000 tensors are four."""
+    llama = _plan([2**23] * 146 + [2**13 * 5])
+    assert len(llama) == 146 * 128 + 1 and {table for table, _, _ in llama} == {0}
+    many = _plan([16] * 2000)
+    assert [table for table, _, _ in many] == sorted(i // 535 for i in range(2000))
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
