@@ -1,6 +1,7 @@
-"""DDP and FSDP2 (DTensor parameters) with 2 ranks over gloo on the CPU: training matches
-single-process training, the optimizer updates local shards without gathering, and
-torch.distributed.checkpoint saves and restores PNM/AdaPNM state so training resumes exactly."""
+"""DDP and FSDP2 (DTensor parameters) with 2 ranks, over gloo on the CPU and over NCCL on two
+GPUs: training matches single-process training, the optimizer updates local shards without
+gathering, and torch.distributed.checkpoint saves and restores PNM/AdaPNM state so training
+resumes exactly."""
 import os
 import sys
 import tempfile
@@ -29,9 +30,9 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
-def _make_opt(name, params):
+def _make_opt(name, params, device="cpu"):
     return OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend="fused"
-                            if "fused" in __import__("pnm_kernels").available_backends("cpu")
+                            if "fused" in __import__("pnm_kernels").available_backends(device)
                             else "foreach")
 
 
@@ -61,19 +62,24 @@ def _free_port():
 
 
 def _worker(rank, mode, name, workdir, port):
-    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
-                            world_size=WORLD)
+    nccl = mode.endswith("-nccl")  # one GPU a rank: NCCL refuses two ranks on one GPU
+    device = torch.device("cuda", rank) if nccl else torch.device("cpu")
+    if nccl:
+        torch.cuda.set_device(device)
+    dist.init_process_group("nccl" if nccl else "gloo", init_method=f"tcp://127.0.0.1:{port}",
+                            rank=rank, world_size=WORLD)
     try:
-        xs, ys = _data()
-        model = _model()
-        if mode == "ddp":
-            model = torch.nn.parallel.DistributedDataParallel(model)
-            opt = _make_opt(name, model.parameters())
+        xs, ys = (t.to(device) for t in _data())
+        model = _model().to(device)
+        if mode.startswith("ddp"):
+            model = torch.nn.parallel.DistributedDataParallel(
+                model, device_ids=[rank] if nccl else None)
+            opt = _make_opt(name, model.parameters(), device)
             _train(model, opt, xs, ys, range(STEPS), rank)
-            full = [p.detach() for p in model.parameters()]
+            full = [p.detach().cpu() for p in model.parameters()]
         else:
-            _shard(model, offload=mode == "fsdp-offload")
-            opt = _make_opt(name, model.parameters())
+            _shard(model, offload=mode == "fsdp-offload", device_type=device.type)
+            opt = _make_opt(name, model.parameters(), device)
             half = STEPS // 2
             _train(model, opt, xs, ys, range(half), rank)
             shard = next(model.parameters())
@@ -84,7 +90,7 @@ def _worker(rank, mode, name, workdir, port):
             if mode == "fsdp-dcp":
                 model, opt = _checkpoint_round_trip(model, opt, name, workdir)
             _train(model, opt, xs, ys, range(half, STEPS), rank)
-            full = [p.full_tensor().detach() for p in model.parameters()]
+            full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         torch.save(full, os.path.join(workdir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears down while another is still in a collective
     finally:
@@ -97,16 +103,16 @@ def _worker(rank, mode, name, workdir, port):
     os._exit(0)
 
 
-def _shard(model, offload=False):
+def _shard(model, offload=False, device_type="cpu"):
     """FSDP2 per Linear layer and at the root; with offload, the sharded parameters, their
     gradients and the optimizer step live on the CPU (ZeRO-Offload style: the step runs in
     the fused CPU kernel). Pinned memory needs a GPU driver, so it is off here."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    # A CPU mesh named explicitly: by default FSDP2 puts the mesh on the accelerator when
-    # one exists, and these gloo ranks keep their model on the CPU.
-    mesh = init_device_mesh("cpu", (WORLD,))
+    # The mesh's device named explicitly: by default FSDP2 puts it on the accelerator when
+    # one exists, and the gloo ranks keep their model on the CPU.
+    mesh = init_device_mesh(device_type, (WORLD,))
     policy = {"offload_policy": CPUOffloadPolicy(pin_memory=False)} if offload else {}
     policy["mesh"] = mesh
     for layer in model:
@@ -134,9 +140,13 @@ def _checkpoint_round_trip(model, opt, name, workdir):
     return fresh, fresh_opt
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-dcp", "fsdp-offload"])
+@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-dcp", "fsdp-offload",
+                                  "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
+    if mode.endswith("-nccl") and not (dist.is_nccl_available()
+                                       and torch.cuda.device_count() >= WORLD):
+        pytest.skip("NCCL with 2 ranks needs 2 GPUs (a communicator takes one GPU a rank)")
     expected = _single_process(name)
     with tempfile.TemporaryDirectory() as workdir:
         mp.spawn(_worker, args=(mode, name, workdir, _free_port()), nprocs=WORLD, join=True)
