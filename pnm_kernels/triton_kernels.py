@@ -280,7 +280,8 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
             INTERPRETED=device.type == "cpu",
             num_warps=config.num_warps)
     block = 256
-    _increment_steps_kernel[(triton.cdiv(n, block),)](
+    # (n + block - 1) // block, not triton.cdiv: that is a JIT function, ~4 us a call from Python
+    _increment_steps_kernel[((n + block - 1) // block,)](
         step_table, n, found_inf if found_inf is not None else dummy,
         HAS_FOUND_INF=found_inf is not None, BLOCK=block)
     # The kernels wrote through raw pointers: tell autograd, as torch's in-place ops do (C++
