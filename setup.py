@@ -42,9 +42,10 @@ def torch_libstdcxx():
     return None
 
 
-# The C++ runtime must be torch's own shared libstdc++: a compiler whose library directory
-# holds only libstdc++.a (as one GPU image's /opt/gcc does) gives the extension a private
-# copy whose locale facets clash with torch's, and formatting an error message then crashes.
+# The C++ runtime must be torch's own shared libstdc++: a compiler that finds only a static
+# libstdc++.a (as the GPU image's /opt/gcc/bin/g++ did, even asked for -lstdc++ -Bdynamic)
+# gives the extension a private copy whose locale facets clash with torch's, and formatting
+# an error message then crashes.
 # Naming the loaded library by its path, before anything the driver appends, binds every
 # C++ runtime symbol to it; `-lstdc++` would pick whichever libstdc++ the compiler finds.
 libstdcxx = torch_libstdcxx() or "-lstdc++"

@@ -57,7 +57,7 @@ struct LaunchTable {
   float* steps[kMaxTensors];
   int64_t numels[kMaxTensors];
   int32_t block_begin[kMaxTensors];  // the slot's first block; its blocks end where the next
-                                     // slot's begin (empty tensors own none)
+                                     // slot's blocks begin (an empty tensor owns none)
   int32_t first_chunk[kMaxTensors];  // chunk index inside the tensor of the slot's first block
   int64_t chunk_size;
   // Set when this launch is the whole step and increments its counters itself (see
