@@ -70,19 +70,20 @@ def _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, mask, grad
 
 @triton.jit
 def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_tensors,
-                 lr, lr_ptr, grad_scale_ptr, found_inf_ptr,
+                 lr, lr_ptr, grad_scale_ptr, found_inf_ptr, blocks_done_ptr,
                  b1_sq, one_minus_b1_sq, b2, one_minus_b2, log_b1, log_b2,
                  pos_coef, neg_coef, inv_noise_norm, eps, weight_decay, grad_sign,
                  DTYPE: tl.constexpr, ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr,
                  DECOUPLED: tl.constexpr, HAS_LR_TENSOR: tl.constexpr,
                  HAS_GRAD_SCALE: tl.constexpr, HAS_FOUND_INF: tl.constexpr,
                  BLOCK: tl.constexpr, ITERS: tl.constexpr, ALIGNED: tl.constexpr,
-                 INTERPRETED: tl.constexpr):
+                 COUNT_STEPS: tl.constexpr, INTERPRETED: tl.constexpr):
     pid = tl.program_id(0)
     t = tl.load(chunk_tensor + pid)
     start = tl.multiple_of(tl.load(chunk_start + pid), BLOCK)  # chunks start at block multiples
     numel = tl.load(numels + t)
-    # Counters are incremented by a second launch, after this one read them: this is step+1.
+    # Counters are incremented after every program read them (COUNT_STEPS: by the program
+    # that finishes last; else by a second launch): this is step + 1.
     step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))) + 1.0
     odd = (step.to(tl.int64) % 2) == 1
     if HAS_LR_TENSOR:
@@ -133,16 +134,36 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
                     neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt,
                     DTYPE, ADAPTIVE, AMSGRAD, DECOUPLED, INTERPRETED)
 
+    if COUNT_STEPS:
+        # No second launch for the counters (it cost as much host time as this one): each
+        # program takes a ticket on blocks_done (zero between steps) once all its warps are
+        # done, so once they have read their counter, and the program with the last ticket
+        # increments every counter and re-zeroes blocks_done. A skipped step takes no ticket.
+        tl.debug_barrier()
+        go = True
+        if HAS_FOUND_INF:
+            go = tl.load(found_inf_ptr) == 0.0
+        if go:
+            ticket = tl.atomic_add(blocks_done_ptr, 1, sem="acq_rel")
+            if ticket == tl.num_programs(0) - 1:
+                for first in range(0, n_tensors, 256):
+                    _increment_counters(step_table, first + tl.arange(0, 256), n_tensors)
+                tl.store(blocks_done_ptr, 0)
+
+
+@triton.jit
+def _increment_counters(step_table, offs, n_tensors):
+    mask = offs < n_tensors
+    addr = tl.load(step_table + offs, mask=mask, other=0).to(tl.pointer_type(tl.float32))
+    tl.store(addr, tl.load(addr, mask=mask) + 1.0, mask=mask)
+
 
 @triton.jit
 def _increment_steps_kernel(step_table, n_tensors, found_inf_ptr,
                             HAS_FOUND_INF: tl.constexpr, BLOCK: tl.constexpr):
-    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     if HAS_FOUND_INF:
         n_tensors = tl.where(tl.load(found_inf_ptr) == 0.0, n_tensors, 0)
-    mask = offs < n_tensors
-    addr = tl.load(step_table + offs, mask=mask, other=0).to(tl.pointer_type(tl.float32))
-    tl.store(addr, tl.load(addr, mask=mask) + 1.0, mask=mask)
+    _increment_counters(step_table, tl.program_id(0) * BLOCK + tl.arange(0, BLOCK), n_tensors)
 
 
 @dataclass(frozen=True)
@@ -242,6 +263,20 @@ def _build_tables(ptrs, step_ptrs, numels, device, chunk):
             as_device(chunk_start, torch.int64), len(chunk_tensor), aligned)
 
 
+def _blocks_done(batch, device):
+    """The batch's ticket counter for steps that increment their counters in the step launch;
+    None where a step keeps the second launch: a batch without a memo, under torch.compile,
+    or first stepped inside a CUDA-graph capture (the counter must be zero before the first
+    step, and a capture would only record its zeroing)."""
+    if batch.memo is None or torch.compiler.is_compiling():
+        return None
+    blocks_done = batch.memo.get("triton_blocks_done")
+    if blocks_done is None and not _capturing(device):
+        blocks_done = batch.memo["triton_blocks_done"] = torch.zeros(1, dtype=torch.int32,
+                                                                     device=device)
+    return blocks_done
+
+
 def step(adaptive, batch, hp, grad_scale, found_inf):
     """One PNM/AdaPNM step over a batch of same-device, same-dtype dense tensors."""
     params = batch.params
@@ -264,12 +299,14 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     beta2 = hp.get("beta2", 0.0)
     log = lambda b: math.log(b) if b > 0 else -math.inf  # noqa: E731
     dummy = step_table  # stands in for absent optional pointers (never read)
+    blocks_done = _blocks_done(batch, device) if n_chunks else None
     if n_chunks:
         _step_kernel[(n_chunks,)](
             ptr_table, numels, step_table, chunk_tensor, chunk_start, n,
             float(lr), lr_tensor if lr_tensor is not None else dummy,
             grad_scale if grad_scale is not None else dummy,
             found_inf if found_inf is not None else dummy,
+            blocks_done if blocks_done is not None else dummy,
             beta1**2, 1 - beta1**2, beta2, 1 - beta2, log(beta1), log(beta2),
             1 + beta0, -beta0, 1 / noise_norm(beta0), hp.get("eps", 0.0), hp["weight_decay"],
             -1.0 if hp["maximize"] else 1.0,
@@ -277,13 +314,14 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
             DECOUPLED=hp["decoupled"], HAS_LR_TENSOR=lr_tensor is not None,
             HAS_GRAD_SCALE=grad_scale is not None, HAS_FOUND_INF=found_inf is not None,
             BLOCK=config.block, ITERS=config.iters, ALIGNED=aligned,
-            INTERPRETED=device.type == "cpu",
+            COUNT_STEPS=blocks_done is not None, INTERPRETED=device.type == "cpu",
             num_warps=config.num_warps)
-    block = 256
-    # (n + block - 1) // block, not triton.cdiv: that is a JIT function, ~4 us a call from Python
-    _increment_steps_kernel[((n + block - 1) // block,)](
-        step_table, n, found_inf if found_inf is not None else dummy,
-        HAS_FOUND_INF=found_inf is not None, BLOCK=block)
+    if blocks_done is None:
+        block = 256
+        # (n + block - 1) // block, not triton.cdiv: a JIT function, ~4 us a call from Python
+        _increment_steps_kernel[((n + block - 1) // block,)](
+            step_table, n, found_inf if found_inf is not None else dummy,
+            HAS_FOUND_INF=found_inf is not None, BLOCK=block)
     # The kernels wrote through raw pointers: tell autograd, as torch's in-place ops do (C++
     # for a held batch: from Python it costs ~35 ns a tensor).
     if held is not None:

@@ -14,7 +14,8 @@ TARGET = GPUTarget("cuda", 90, 32)
 SIGNATURE = {
     "ptr_table": "*i64", "numels": "*i64", "step_table": "*i64", "chunk_tensor": "*i32",
     "chunk_start": "*i64", "n_tensors": "i32", "lr": "fp32", "lr_ptr": "*fp32",
-    "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "b1_sq": "fp32",
+    "grad_scale_ptr": "*fp32", "found_inf_ptr": "*fp32", "blocks_done_ptr": "*i32",
+    "b1_sq": "fp32",
     "one_minus_b1_sq": "fp32", "b2": "fp32", "one_minus_b2": "fp32", "log_b1": "fp32",
     "log_b2": "fp32", "pos_coef": "fp32", "neg_coef": "fp32", "inv_noise_norm": "fp32",
     "eps": "fp32", "weight_decay": "fp32", "grad_sign": "fp32",
@@ -36,10 +37,12 @@ def main():
             consts = dict(DTYPE=DTYPES[dtype], ADAPTIVE=adaptive, AMSGRAD=amsgrad,
                           DECOUPLED=not amsgrad, HAS_LR_TENSOR=adaptive,
                           HAS_GRAD_SCALE=adaptive, HAS_FOUND_INF=adaptive, BLOCK=2048,
-                          ITERS=2, ALIGNED=True, INTERPRETED=False)
+                          ITERS=2, ALIGNED=True, COUNT_STEPS=True, INTERPRETED=False)
             ptx = compile_kernel(triton_kernels._step_kernel, SIGNATURE, consts, 8).asm["ptx"]
+            ticket = ptx.find("atom.global.gpu.acq_rel.add")
             report[f"{dtype}-{mode}"] = {"sm_90": ".target sm_90" in ptx,
-                                         "v4_loads": "ld.global.v4" in ptx}
+                                         "v4_loads": "ld.global.v4" in ptx,
+                                         "ticket_after_barrier": 0 <= ptx.find("bar.sync") < ticket}
     ptx = compile_kernel(triton_kernels._increment_steps_kernel,
                          {"step_table": "*i64", "n_tensors": "i32", "found_inf_ptr": "*fp32"},
                          dict(HAS_FOUND_INF=True, BLOCK=256), 4).asm["ptx"]

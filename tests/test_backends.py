@@ -178,3 +178,47 @@ def test_large_auto_step_switches_to_fused_inside_a_capture(name, monkeypatch):
     assert ran == ["run_triton", "run_fused", "run_fused", "run_triton", "run_triton",
                    "run_fused"] * 3
     assert_states_close(opt, params, ref, ref_params)
+
+
+class _Recorder:
+    """Stands in for a Triton kernel: launches it and records (kind, args, kwargs)."""
+
+    def __init__(self, kernel, kind, launched):
+        self.kernel, self.kind, self.launched = kernel, kind, launched
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.launched.append((self.kind, args, kwargs))
+            return self.kernel[grid](*args, **kwargs)
+        return launch
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_a_triton_step_is_one_launch_that_also_counts_the_steps(name, monkeypatch):
+    """Each Triton step of a cached batch is one launch: the program that finishes last
+    increments every step counter and re-zeroes the batch's ticket counter, and a step skipped
+    for found_inf takes no ticket. Over many programs, parameters that skip steps and a
+    skipped AMP step, parameters and state agree with the reference."""
+    pytest.importorskip("triton")
+    from pnm_kernels import triton_kernels
+
+    launched = []
+    for attr, kind in (("_step_kernel", "step"), ("_increment_steps_kernel", "increment")):
+        monkeypatch.setattr(triton_kernels, attr,
+                            _Recorder(getattr(triton_kernels, attr), kind, launched))
+    opt, params, ref, ref_params = with_reference(name, "triton", SHAPES["small"])
+    train(opt, params, 5, skip_every=3)
+    train(ref, ref_params, 5, skip_every=3)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    opt.grad_scale = torch.tensor(8.0, device=DEVICE)
+    opt.found_inf = torch.tensor(1.0, device=DEVICE)
+    opt.step()  # skipped: changes nothing, takes no ticket
+    del opt.grad_scale, opt.found_inf
+    train(opt, params, 4, start=5)
+    train(ref, ref_params, 4, start=5)
+    assert_states_close(opt, params, ref, ref_params)
+    assert [kind for kind, _, _ in launched] == ["step"] * 10
+    assert all(kwargs["COUNT_STEPS"] for _, _, kwargs in launched)
+    # one counter per cached batch (steps that skip parameters make other batches)
+    assert all(args[10].tolist() == [0] for _, args, _ in launched)

@@ -27,3 +27,7 @@ def test_kernels_compile_for_sm90_with_16_byte_loads():
     assert len(report) == 10 and all(r["sm_90"] for r in report.values())
     for mode in ("PNM", "AdaPNM-amsgrad", "AdaPNM"):
         assert report[f"fp32-{mode}"]["v4_loads"], mode
+    # The counter increment in the step launch: each program's ticket is a gpu-scope
+    # acquire-release atomic taken after a barrier over all its warps (they read their
+    # counters before it), so the last program increments the counters after every read.
+    assert all(r["ticket_after_barrier"] for k, r in report.items() if k != "increment")
