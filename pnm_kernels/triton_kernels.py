@@ -135,7 +135,7 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
                     DTYPE, ADAPTIVE, AMSGRAD, DECOUPLED, INTERPRETED)
 
     if COUNT_STEPS:
-        # No second launch for the counters (it cost as much host time as this one): each
+        # No second launch for the counters (host time, which decides small steps): each
         # program takes a ticket on blocks_done (zero between steps) once all its warps are
         # done, so once they have read their counter, and the program with the last ticket
         # increments every counter and re-zeroes blocks_done. A skipped step takes no ticket.
