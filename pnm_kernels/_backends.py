@@ -105,22 +105,27 @@ def split_lr(lr, device):
     return 0.0, lr.to(torch.float32)
 
 
+def new_blocks_done(device):
+    """A batch's ticket counter for steps that increment their step counters in their own
+    launch: one int32, zero between steps. None inside a CUDA-graph capture, where its zeroing
+    would only be recorded; a batch without one keeps a second launch for its counters."""
+    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
 def step_lists(batch):
     """The C++ copy (pnm_kernels._C's StepLists) of a cached batch's parameters, buffers and
     counters, made on first use; None without a memo or the extension.
 
     It also holds the batch's blocks_done counter, with which each CUDA launch increments
-    the step counters itself instead of a second launch doing it (csrc/multi_tensor_apply.h).
-    The counter must start at zero, so it is not made inside a CUDA-graph capture (there
-    the zeroing would only be recorded); such a batch keeps the second launch."""
+    the step counters itself instead of a second launch doing it (csrc/multi_tensor_apply.h;
+    see new_blocks_done)."""
     if batch.memo is None or extension_error() is not None:
         return None
     lists = batch.memo.get("step_lists")
     if lists is None:
-        device = batch.params[0].device
-        blocks_done = None
-        if device.type == "cpu" or not torch.cuda.is_current_stream_capturing():
-            blocks_done = torch.zeros(1, dtype=torch.int32, device=device)
+        blocks_done = new_blocks_done(batch.params[0].device)
         buffers = list(batch.buffers) + [[]] * (4 - len(batch.buffers))
         lists = batch.memo["step_lists"] = torch.classes.pnm_kernels.StepLists(
             batch.params, *buffers, batch.steps, blocks_done)

@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backends import split_lr, step_lists
+from ._backends import new_blocks_done, split_lr, step_lists
 from .reference import noise_norm
 
 
@@ -266,17 +266,14 @@ def _build_tables(ptrs, step_ptrs, numels, device, chunk):
 
 
 def _blocks_done(batch, device):
-    """The batch's ticket counter for steps that increment their counters in the step launch;
-    None where a step keeps the second launch: a batch without a memo, under torch.compile,
-    or first stepped inside a CUDA-graph capture (the counter must be zero before the first
-    step, and a capture would only record its zeroing)."""
+    """The batch's ticket counter (new_blocks_done) for steps that increment their counters
+    in the step launch; None where a step keeps the second launch: a batch without a memo,
+    under torch.compile, or first stepped inside a CUDA-graph capture."""
     if batch.memo is None or torch.compiler.is_compiling():
         return None
-    blocks_done = batch.memo.get("triton_blocks_done")
-    if blocks_done is None and not _capturing(device):
-        blocks_done = batch.memo["triton_blocks_done"] = torch.zeros(1, dtype=torch.int32,
-                                                                     device=device)
-    return blocks_done
+    if batch.memo.get("triton_blocks_done") is None:
+        batch.memo["triton_blocks_done"] = new_blocks_done(device)
+    return batch.memo["triton_blocks_done"]
 
 
 def step(adaptive, batch, hp, grad_scale, found_inf):
