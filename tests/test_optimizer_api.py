@@ -205,18 +205,27 @@ def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name)
         assert torch.equal(p, v)
 
 
+def _second_parameter_restarted_after_three_steps(name, path, restart):
+    """Three steps, restart(opt, params) on both runs, three more: the second parameter has
+    fresh state (3 steps), the others carry on (6), and the fast path matches the reference."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        restart(o, ps)
+        train(o, ps, 3, start=3)
+    assert opt.state[params[1]]["step"].item() == 3 and opt.state[params[0]]["step"].item() == 6
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_deleting_a_parameters_state_restarts_it(path, name):
     """`del opt.state[p]` (as after re-initialising a layer) gives p fresh state at its next
     step, as with torch's optimizers; the other parameters carry on."""
-    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
-    for o, ps in ((opt, params), (ref, ref_params)):
-        train(o, ps, 3)
+    def restart(o, ps):
         del o.state[ps[1]]
-        train(o, ps, 3, start=3)
-    assert opt.state[params[1]]["step"].item() == 3 and opt.state[params[0]]["step"].item() == 6
-    assert_states_close(opt, params, ref, ref_params)
+
+    _second_parameter_restarted_after_three_steps(name, path, restart)
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
@@ -562,15 +571,10 @@ def test_a_backward_through_a_graph_that_saved_a_stepped_parameter_raises(path, 
 def test_a_parameter_replaced_in_its_group_between_steps_is_followed(path, name):
     """Steps after the first repeat the last one without planning while nothing they depend
     on changed; a parameter swapped into the group's own list in place is such a change."""
-    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
-    for o, ps in ((opt, params), (ref, ref_params)):
-        train(o, ps, 3)
-        newcomer = ps[1].detach().clone().mul_(2).requires_grad_()
-        o.param_groups[0]["params"][1] = newcomer
-        ps[1] = newcomer
-        train(o, ps, 3, start=3)
-    assert opt.state[params[1]]["step"].item() == 3 and opt.state[params[0]]["step"].item() == 6
-    assert_states_close(opt, params, ref, ref_params)
+    def replace(o, ps):
+        ps[1] = o.param_groups[0]["params"][1] = ps[1].detach().clone().mul_(2).requires_grad_()
+
+    _second_parameter_restarted_after_three_steps(name, path, replace)
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
