@@ -12,6 +12,7 @@ cancels. Writes a Markdown table (also printed), a JSON with every figure and th
 a PNG plot.
 """
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -341,6 +342,10 @@ def write_table(results, copy_gbps, info):
              "", "| set | optimizer | ms/step |" + (" host ms/step |" if gpu else "") +
              " eff. GB/s | % of copy BW | vs reference | time vs torch fused | GB/s vs torch fused |"
              " state MiB |", "|---|---|---|" + ("---|" if gpu else "") + "---|---|---|---|---|---|"]
+    if info.get("triton_configs"):  # not the built-in table: say which were used
+        lines[1:1] = ["", "Triton launch configurations (--triton-configs): " + "; ".join(
+            f"{k} {c['block']} x {c['iters']}, {c['num_warps']} warps"
+            for k, c in info["triton_configs"].items())]
     fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
     for r in results:
         if "error" in r:
@@ -403,6 +408,9 @@ def main(argv=None):
     parser.add_argument("--rounds", type=int, help="timed rounds per contender")
     parser.add_argument("--no-compiled-reference", action="store_true",
                         help="leave out the torch.compile'd reference (its compile takes minutes)")
+    parser.add_argument("--triton-configs", metavar="TUNE_JSON",
+                        help="run the Triton backend with the best launch configurations of a "
+                             "benchmarks/tune_triton.py run instead of the built-in table")
     args = parser.parse_args(argv)
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda" and not torch.cuda.is_available():
@@ -415,13 +423,24 @@ def main(argv=None):
     # On a GPU a round is timed with events, so more steps cost little and steady the small sets.
     steps_per_round = 2 if args.quick else (10 if device == "cuda" else 3)
     info = machine_info(device, args)
+    if args.triton_configs:
+        from tune_triton import load_best
+        from pnm_kernels.triton_kernels import set_launch_config
+        configs = load_best(args.triton_configs)
+        set_launch_config(configs)
+        info["triton_configs"] = {f"{str(dt)[6:]}/{'AdaPNM' if ada else 'PNM'}": dataclasses.asdict(c)
+                                  for (dt, ada), c in configs.items()}
     copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
                                else (256 << 20))
     progress = Progress(rounds * len(names))
     results = []
-    for name in names:
-        results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round, progress,
-                             skip_compiled=args.quick or args.no_compiled_reference)
+    try:
+        for name in names:
+            results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round,
+                                 progress, skip_compiled=args.quick or args.no_compiled_reference)
+    finally:
+        if args.triton_configs:
+            set_launch_config(None)
     table = write_table(results, copy_gbps, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)

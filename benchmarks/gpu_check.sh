@@ -51,13 +51,19 @@ stage tests 170 python3 -m pytest tests -q -rfE --tb=short -n 8 --dist load --ma
   --timeout 150 -p no:cacheprovider
 tail -4 "$WORK/tests.log"
 
+# Launch configurations first, so the benchmarks can run the Triton backend with the best
+# found (bench_step.py --triton-configs); tune_triton.json records them.
+stage tune_triton 120 python3 benchmarks/tune_triton.py --numels 67108864,268435456 \
+  --out "$WORK/tune_triton.json"
+TUNED=()
+[ -s "$WORK/tune_triton.json" ] && TUNED=(--triton-configs "$WORK/tune_triton.json")
+
 SETS_F32=tiny2000,small2000,resnet50,transformer,gpt2-124m,llama-1b,flat1M,flat16M,flat64M,flat256M,flat1024M
 stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SETS_F32" --rounds 9 \
-  --no-compiled-reference --out "$WORK"
+  --no-compiled-reference "${TUNED[@]}" --out "$WORK"
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
-  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled-reference --out "$WORK"
-
-stage tune_triton 60 python3 benchmarks/tune_triton.py --out "$WORK/tune_triton.json"
+  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled-reference "${TUNED[@]}" \
+  --out "$WORK"
 
 cat > "$WORK/sanitize_step.py" <<'PY'
 import torch
@@ -87,7 +93,7 @@ grep -E "^(FAILED|ERROR)" "$WORK/tests.log" | head -30
 for f in "$WORK"/bench_step-cuda-*.md; do
   [ -f "$f" ] && head -1 "$f" && grep -E "\[(fused|triton)\]" "$f" | cut -c1-150
 done
-tail -30 "$WORK/tune_triton.log" 2>/dev/null
+grep -A6 "^best" "$WORK/tune_triton.log" 2>/dev/null
 tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
 tail -3 "$WORK/memcheck.log" 2>/dev/null
 pack

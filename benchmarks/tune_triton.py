@@ -1,11 +1,14 @@
 """Times the Triton step under several launch configurations (elements per program per
 iteration, iterations per program, warps), to choose triton_kernels._CONFIGS from measurements.
 
-    python benchmarks/tune_triton.py [--numel 268435456] [--dtypes float32,bfloat16] [--out F]
+    python benchmarks/tune_triton.py [--numels 67108864,268435456] [--dtypes float32,bfloat16]
+                                     [--out F]
 
 On a GPU: CUDA events, median of --repeats steps after a warm-up, effective GB/s and the
-fraction of the copy bandwidth measured in the same run. Without a GPU it runs under the
-Triton interpreter on a small size, as a smoke test with no meaning for speed.
+fraction of the copy bandwidth measured in the same run. For each dtype and optimizer the
+"best" configuration is the one whose slowest size (as a fraction of copy bandwidth) is
+fastest; `bench_step.py --triton-configs F` runs the Triton backend with those. Without a GPU
+it runs under the Triton interpreter on a small size, as a smoke test with no meaning for speed.
 """
 import argparse
 import json
@@ -25,7 +28,10 @@ from bench_step import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E
 
 CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4096, 4, 16),
               LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16),
-              LaunchConfig(8192, 2, 32), LaunchConfig(8192, 4, 16), LaunchConfig(16384, 1, 32)]
+              LaunchConfig(8192, 2, 32), LaunchConfig(8192, 4, 16), LaunchConfig(16384, 1, 32),
+              # fewer elements per thread or fewer iterations: less register pressure
+              LaunchConfig(8192, 1, 16), LaunchConfig(4096, 2, 16), LaunchConfig(4096, 8, 16),
+              LaunchConfig(2048, 2, 8), LaunchConfig(4096, 2, 8), LaunchConfig(16384, 2, 32)]
 
 
 def time_step(opt, device, repeats):
@@ -33,47 +39,81 @@ def time_step(opt, device, repeats):
     return statistics.median(timed_steps(opt, device, 1)[0] for _ in range(repeats))
 
 
+def best_configs(rows):
+    """{(dtype, optimizer): the row of the configuration whose lowest copy fraction over the
+    sizes tried is highest}."""
+    worst = {}
+    for r in rows:
+        key = (r["dtype"], r["optimizer"], r["block"], r["iters"], r["num_warps"])
+        worst[key] = min(worst.get(key, float("inf")), r["copy_fraction"])
+    best = {}
+    for (dtype, family, *config), fraction in worst.items():
+        if (dtype, family) not in best or fraction > best[(dtype, family)]["worst_copy_fraction"]:
+            best[(dtype, family)] = dict(dtype=dtype, optimizer=family, block=config[0],
+                                         iters=config[1], num_warps=config[2],
+                                         worst_copy_fraction=fraction)
+    return list(best.values())
+
+
 def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--numel", type=int, default=None)
+    parser.add_argument("--numels", default=None, help="comma-separated sizes (one tensor each)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
     parser.add_argument("--repeats", type=int, default=20)
-    parser.add_argument("--out", default=None, help="write the rows as JSON here")
+    parser.add_argument("--out", default=None, help="write the rows and best choices as JSON here")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    numel = args.numel or ((256 << 20) if device == "cuda" else 40000)
-    copy_gbps = copy_bandwidth(device, numel)
+    numels = ([int(n) for n in args.numels.split(",")] if args.numels else
+              [64 << 20, 256 << 20] if device == "cuda" else [40000])
+    copy_gbps = copy_bandwidth(device, max(numels))
     rows = []
     for dtype_name in args.dtypes.split(","):
         dtype = getattr(torch, dtype_name)
-        scale = torch.tensor([], dtype=dtype).element_size() / 4
-        param = torch.randn(numel, device=device).to(dtype).requires_grad_()
-        param.grad = torch.randn_like(param) * 1e-2
-        for family, make in (("PNM", lambda ps: PNM(ps, lr=1e-3, backend="triton")),
-                             ("AdaPNM", lambda ps: AdaPNM(ps, lr=1e-3, backend="triton"))):
-            opt = make([param])
-            for config in CANDIDATES:
-                set_launch_config(config)
-                try:
-                    time_step(opt, device, 3)  # compiles this configuration, builds its tables
-                    t = time_step(opt, device, args.repeats)
-                finally:
-                    set_launch_config(None)
-                gbps = BYTES_PER_ELEMENT[family] * scale * numel / t / 1e9
-                rows.append(dict(dtype=dtype_name, optimizer=family, block=config.block,
-                                 iters=config.iters, num_warps=config.num_warps, ms=t * 1e3,
-                                 gbps=gbps, copy_fraction=gbps / copy_gbps))
-            del opt
+        scale = dtype.itemsize / 4
+        for numel in numels:
+            param = torch.randn(numel, device=device).to(dtype).requires_grad_()
+            param.grad = torch.randn_like(param) * 1e-2
+            for family, make in (("PNM", lambda ps: PNM(ps, lr=1e-3, backend="triton")),
+                                 ("AdaPNM", lambda ps: AdaPNM(ps, lr=1e-3, backend="triton"))):
+                opt = make([param])
+                for config in CANDIDATES:
+                    set_launch_config(config)
+                    try:
+                        time_step(opt, device, 3)  # compiles this configuration, builds tables
+                        t = time_step(opt, device, args.repeats)
+                    finally:
+                        set_launch_config(None)
+                    gbps = BYTES_PER_ELEMENT[family] * scale * numel / t / 1e9
+                    rows.append(dict(dtype=dtype_name, optimizer=family, numel=numel,
+                                     block=config.block, iters=config.iters,
+                                     num_warps=config.num_warps, ms=t * 1e3, gbps=gbps,
+                                     copy_fraction=gbps / copy_gbps))
+                del opt
+            del param
+    best = best_configs(rows)
     name = torch.cuda.get_device_name() if device == "cuda" else "CPU (interpreter)"
-    print(f"{name}, {numel} elements, copy bandwidth {copy_gbps:.0f} GB/s")
-    print("| dtype | optimizer | block | iters | warps | ms | GB/s | % of copy |")
-    print("|---|---|---|---|---|---|---|---|")
+    print(f"{name}, copy bandwidth {copy_gbps:.0f} GB/s")
+    print("| dtype | optimizer | elements | block | iters | warps | ms | GB/s | % of copy |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for r in rows:
-        print(f"| {r['dtype']} | {r['optimizer']} | {r['block']} | {r['iters']} | "
+        print(f"| {r['dtype']} | {r['optimizer']} | {r['numel']} | {r['block']} | {r['iters']} | "
               f"{r['num_warps']} | {r['ms']:.3f} | {r['gbps']:.0f} | {100 * r['copy_fraction']:.0f}% |")
+    print("\nbest (highest lowest-fraction over the sizes):")
+    for b in best:
+        print(f"  {b['dtype']} {b['optimizer']}: {b['block']} x {b['iters']}, {b['num_warps']} "
+              f"warps ({100 * b['worst_copy_fraction']:.0f}% of copy at its slowest size)")
     if args.out:
         with open(args.out, "w") as f:
-            json.dump(dict(device=name, numel=numel, copy_gbps=copy_gbps, rows=rows), f, indent=1)
+            json.dump(dict(device=name, numels=numels, copy_gbps=copy_gbps, rows=rows, best=best),
+                      f, indent=1)
+
+
+def load_best(path):
+    """The best configurations of a tune_triton.py JSON, as set_launch_config takes them."""
+    with open(path) as f:
+        best = json.load(f)["best"]
+    return {(getattr(torch, b["dtype"]), b["optimizer"] == "AdaPNM"):
+            LaunchConfig(b["block"], b["iters"], b["num_warps"]) for b in best}
 
 
 if __name__ == "__main__":

@@ -173,7 +173,9 @@ class LaunchConfig:
     num_warps: int
 
 
-# Per GPU generation; the interpreter gets small chunks so tests cross chunk boundaries.
+# Per GPU generation, and on Hopper per element size and optimizer (keys: compute capability
+# major, or (major, bytes per element, adaptive)); the interpreter gets small chunks so tests
+# cross chunk boundaries.
 _CONFIGS = {
     "interpreter": LaunchConfig(block=64, iters=2, num_warps=4),
     # Hopper: benchmarks/tune_triton.py on an H200 (2026-11-26, 2^28 elements, two runs): 8192
@@ -190,17 +192,22 @@ _override = None
 
 
 def set_launch_config(config=None) -> None:
-    """Test/benchmark hook: use ``config`` (a LaunchConfig) for every launch; None resets."""
+    """Test/benchmark hook: a LaunchConfig for every launch, or a dict {(dtype, adaptive):
+    LaunchConfig} for the launches it names (the others keep the table's); None resets."""
     global _override
     _override = config
 
 
-def launch_config(device: torch.device) -> LaunchConfig:
-    if _override is not None:
+def launch_config(device: torch.device, dtype: torch.dtype, adaptive: bool) -> LaunchConfig:
+    if isinstance(_override, LaunchConfig):
         return _override
+    if _override is not None and (dtype, adaptive) in _override:
+        return _override[(dtype, adaptive)]
     if device.type != "cuda":
         return _CONFIGS["interpreter"]
-    return _CONFIGS.get(torch.cuda.get_device_capability(device)[0], _DEFAULT_CONFIG)
+    major = torch.cuda.get_device_capability(device)[0]
+    key = (major, dtype.itemsize, adaptive)
+    return _CONFIGS.get(key) or _CONFIGS.get(major, _DEFAULT_CONFIG)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}
@@ -284,7 +291,7 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     device, dtype = params[0].device, params[0].dtype
     amsgrad = adaptive and hp["amsgrad"]
     lists = [params, batch.grads] + batch.buffers[: (4 if amsgrad else 3) if adaptive else 2]
-    config = launch_config(device)
+    config = launch_config(device, dtype, adaptive)
     chunk = config.block * config.iters
     held = None if torch.compiler.is_compiling() else step_lists(batch)
     ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks, aligned = _tables(

@@ -131,6 +131,34 @@ def test_auto_on_cuda_picks_by_the_measured_batch_size(capability, expected, mon
     assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float32, large) == "fused"
 
 
+def test_triton_launch_configuration_by_generation_element_size_and_optimizer(monkeypatch):
+    """Hopper may have one configuration per element size and optimizer (tuned), falling back
+    to the generation's; set_launch_config overrides all launches or only the ones it names."""
+    tk = pytest.importorskip("pnm_kernels.triton_kernels")
+    cuda = torch.device("cuda")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    special = tk.LaunchConfig(block=128, iters=1, num_warps=1)
+    monkeypatch.setitem(tk._CONFIGS, (9, 2, True), special)
+    assert tk.launch_config(cuda, torch.bfloat16, True) == special
+    assert tk.launch_config(cuda, torch.float16, True) == special  # by element size
+    assert tk.launch_config(cuda, torch.bfloat16, False) == tk._CONFIGS[9]
+    assert tk.launch_config(cuda, torch.float32, True) == tk._CONFIGS[9]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
+    assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
+    assert tk.launch_config(torch.device("cpu"), torch.float32, True) == tk._CONFIGS["interpreter"]
+
+    other = tk.LaunchConfig(block=256, iters=2, num_warps=2)
+    try:
+        tk.set_launch_config({(torch.float32, False): other})
+        assert tk.launch_config(cuda, torch.float32, False) == other
+        assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
+        tk.set_launch_config(other)
+        assert tk.launch_config(torch.device("cpu"), torch.bfloat16, True) == other
+    finally:
+        tk.set_launch_config(None)
+    assert tk.launch_config(cuda, torch.float32, False) == tk._DEFAULT_CONFIG
+
+
 def test_auto_counts_the_elements_of_a_batch(monkeypatch):
     """The size "auto" decides on is the batch's element count, summed over its tensors."""
     from pnm_kernels import _backends

@@ -67,12 +67,33 @@ def test_gpt_fsdp2_example_runs_on_cpu(monkeypatch):
         assert tokens_per_s > 0 and loss == loss
 
 
-def test_triton_tuning_script_times_every_candidate_configuration(tmp_path):
+def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_benchmark(
+        tmp_path):
     pytest.importorskip("triton")
+    import bench_step
     import tune_triton
+    from pnm_kernels import triton_kernels
 
     out = tmp_path / "tune.json"
-    tune_triton.main(["--numel", "3000", "--repeats", "1", "--dtypes", "float32", "--out", str(out)])
-    rows = json.loads(out.read_text())["rows"]
-    assert len(rows) == 2 * len(tune_triton.CANDIDATES)  # PNM and AdaPNM, every candidate
+    tune_triton.main(["--numels", "3000,2000", "--repeats", "1", "--dtypes", "float32",
+                      "--out", str(out)])
+    tuned = json.loads(out.read_text())
+    rows = tuned["rows"]
+    # PNM and AdaPNM, both sizes, every candidate
+    assert len(rows) == 2 * 2 * len(tune_triton.CANDIDATES)
     assert all(r["ms"] > 0 and r["gbps"] > 0 for r in rows)
+    best = {b["optimizer"]: b for b in tuned["best"]}
+    for family, b in best.items():
+        own = [r for r in rows if r["optimizer"] == family]
+        worst = lambda cfg: min(r["copy_fraction"] for r in own  # noqa: E731
+                                if (r["block"], r["iters"], r["num_warps"]) == cfg)
+        configs = {(r["block"], r["iters"], r["num_warps"]) for r in own}
+        assert worst((b["block"], b["iters"], b["num_warps"])) == max(map(worst, configs))
+
+    bench_step.main(["--device", "cpu", "--sets", "small2000", "--rounds", "1",
+                     "--no-compiled-reference", "--triton-configs", str(out),
+                     "--out", str(tmp_path)])
+    info = json.loads((tmp_path / "bench_step-cpu-float32.json").read_text())["machine"]
+    assert info["triton_configs"]["float32/PNM"]["block"] == best["PNM"]["block"]
+    assert "Triton launch configurations" in (tmp_path / "bench_step-cpu-float32.md").read_text()
+    assert triton_kernels._override is None  # the benchmark put the built-in table back
