@@ -35,15 +35,20 @@ def _store(ptr, x, mask, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, mask, grad_factor, decay,
-            b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef, neg_coef, inv_noise_norm, eps,
-            weight_decay, neg_step_size, bc2_sqrt, DTYPE: tl.constexpr, ADAPTIVE: tl.constexpr,
-            AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr, INTERPRETED: tl.constexpr):
-    """One block of elements (DESIGN.md §1); mask is None for a whole aligned block."""
+def _update(p_ptr, g_ptr, pos_ptr, neg_ptr, odd, m_ptr, v_ptr, v_max_ptr, offs, mask,
+            grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef, neg_coef,
+            inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt, DTYPE: tl.constexpr,
+            ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr,
+            INTERPRETED: tl.constexpr):
+    """One block of elements (DESIGN.md §1); mask is None for a whole aligned block. Both
+    momentum buffers are loaded by their fixed addresses and chosen by parity afterwards, so
+    no load waits for the step counter; only the store goes to m_ptr (the one updated)."""
     p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
     g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
-    m = tl.load(m_ptr + offs, mask=mask).to(tl.float32)
-    m_other = tl.load(m_other_ptr + offs, mask=mask).to(tl.float32)
+    pos_m = tl.load(pos_ptr + offs, mask=mask).to(tl.float32)
+    neg_m = tl.load(neg_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.where(odd, pos_m, neg_m)
+    m_other = tl.where(odd, neg_m, pos_m)
     if DECOUPLED:
         p = p * decay
     else:
@@ -98,8 +103,8 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
     neg = tl.load(ptr_table + 3 * n_tensors + t)
     p_ptr = tl.load(ptr_table + t).to(tl.pointer_type(DTYPE))
     g_ptr = tl.load(ptr_table + n_tensors + t).to(tl.pointer_type(DTYPE))
-    m_ptr = tl.where(odd, pos, neg).to(tl.pointer_type(DTYPE))
-    m_other_ptr = tl.where(odd, neg, pos).to(tl.pointer_type(DTYPE))
+    pos_ptr, neg_ptr = pos.to(tl.pointer_type(DTYPE)), neg.to(tl.pointer_type(DTYPE))
+    m_ptr = tl.where(odd, pos, neg).to(tl.pointer_type(DTYPE))  # the buffer this step updates
     v_ptr = p_ptr  # placeholders, never read unless ADAPTIVE / AMSGRAD
     v_max_ptr = p_ptr
     bc2_sqrt = 1.0
@@ -118,20 +123,21 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
     if ALIGNED and start + BLOCK * ITERS <= numel:
         # A whole chunk of 16-byte-aligned tensors: unmasked, so loads are 128-bit wide.
         p_ptr, g_ptr = tl.multiple_of(p_ptr, 16), tl.multiple_of(g_ptr, 16)
-        m_ptr, m_other_ptr = tl.multiple_of(m_ptr, 16), tl.multiple_of(m_other_ptr, 16)
+        pos_ptr, neg_ptr = tl.multiple_of(pos_ptr, 16), tl.multiple_of(neg_ptr, 16)
+        m_ptr = tl.multiple_of(m_ptr, 16)
         v_ptr, v_max_ptr = tl.multiple_of(v_ptr, 16), tl.multiple_of(v_max_ptr, 16)
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, None,
+            _update(p_ptr, g_ptr, pos_ptr, neg_ptr, odd, m_ptr, v_ptr, v_max_ptr, offs, None,
                     grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef,
                     neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt,
                     DTYPE, ADAPTIVE, AMSGRAD, DECOUPLED, INTERPRETED)
     else:  # the tail of a tensor, a misaligned tensor, or a skipped (found_inf) step
         for i in tl.static_range(ITERS):
             offs = start + i * BLOCK + tl.arange(0, BLOCK)
-            _update(p_ptr, g_ptr, m_ptr, m_other_ptr, v_ptr, v_max_ptr, offs, offs < numel,
-                    grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef,
-                    neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt,
+            _update(p_ptr, g_ptr, pos_ptr, neg_ptr, odd, m_ptr, v_ptr, v_max_ptr, offs,
+                    offs < numel, grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2,
+                    pos_coef, neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt,
                     DTYPE, ADAPTIVE, AMSGRAD, DECOUPLED, INTERPRETED)
 
     if COUNT_STEPS:
