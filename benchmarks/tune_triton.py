@@ -28,15 +28,19 @@ from bench_step import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E
 
 CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4096, 4, 16),
               LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16),
-              LaunchConfig(8192, 2, 32), LaunchConfig(8192, 4, 16), LaunchConfig(16384, 1, 32),
-              # fewer elements per thread or fewer iterations: less register pressure
+              LaunchConfig(8192, 2, 32), LaunchConfig(8192, 4, 16), LaunchConfig(2048, 4, 8),
+              # ptxas for sm_90a, bf16: 16 elements a thread take 121-240 registers or spill, 8 a
+              # thread take 40-80 and fit 1-6 programs an SM: try both
               LaunchConfig(8192, 1, 16), LaunchConfig(4096, 2, 16), LaunchConfig(4096, 8, 16),
               LaunchConfig(2048, 2, 8), LaunchConfig(4096, 2, 8), LaunchConfig(16384, 2, 32)]
 
 
-def time_step(opt, device, repeats):
-    """Median over `repeats` single steps, each timed as bench_step times a round."""
-    return statistics.median(timed_steps(opt, device, 1)[0] for _ in range(repeats))
+def time_step(opt, device, repeats, steps):
+    """Median over `repeats` samples of the time per step over `steps` back-to-back steps, as
+    bench_step times a round. One step alone would also time the host issuing it (~0.1 ms
+    for Triton, a large share of a step over 2^26 elements): an H200 run with single steps
+    (results/gpu-h200-2026-11-26-run3) ranked configurations by that bias."""
+    return statistics.median(timed_steps(opt, device, steps)[0] for _ in range(repeats))
 
 
 def best_configs(rows):
@@ -59,7 +63,8 @@ def main(argv=None):
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--numels", default=None, help="comma-separated sizes (one tensor each)")
     parser.add_argument("--dtypes", default="float32,bfloat16")
-    parser.add_argument("--repeats", type=int, default=20)
+    parser.add_argument("--repeats", type=int, default=7)
+    parser.add_argument("--steps", type=int, default=10, help="steps per timed sample")
     parser.add_argument("--out", default=None, help="write the rows and best choices as JSON here")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
@@ -79,8 +84,8 @@ def main(argv=None):
                 for config in CANDIDATES:
                     set_launch_config(config)
                     try:
-                        time_step(opt, device, 3)  # compiles this configuration, builds tables
-                        t = time_step(opt, device, args.repeats)
+                        time_step(opt, device, 1, 3)  # compiles this configuration, tables
+                        t = time_step(opt, device, args.repeats, args.steps)
                     finally:
                         set_launch_config(None)
                     gbps = BYTES_PER_ELEMENT[family] * scale * numel / t / 1e9

@@ -75,8 +75,8 @@ def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_be
     from pnm_kernels import triton_kernels
 
     out = tmp_path / "tune.json"
-    tune_triton.main(["--numels", "3000,2000", "--repeats", "1", "--dtypes", "float32",
-                      "--out", str(out)])
+    tune_triton.main(["--numels", "3000,2000", "--repeats", "1", "--steps", "1",
+                      "--dtypes", "float32", "--out", str(out)])
     tuned = json.loads(out.read_text())
     rows = tuned["rows"]
     # PNM and AdaPNM, both sizes, every candidate
