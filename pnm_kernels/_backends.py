@@ -215,19 +215,21 @@ RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fuse
            "triton": run_triton, "triton_eager": run_triton_eager}
 # Backends whose kernels need every tensor dense and laid out like its parameter.
 FLAT_BACKENDS = ("fused", "triton", "triton_eager")
-# "auto" on CUDA, from benchmarks/results/bench_step-cuda-*.md (H200, 2026-11-26): the fused
-# step took less time on every set under 2^27 elements, by its lower host time (2,000 tensors
-# of 16 elements: 0.94 vs 1.90 ms per PNM step; one tensor of 2^20: 0.044 vs 0.147 ms), and
-# the Triton step 4-6 % less in fp32 from 2^28 elements up (flat256M, llama-1b, flat1024M;
-# 0-3 % in bf16), where its kernel reached 99-102 % of the measured copy bandwidth against
-# 94-96 %. Between 2^27 and 2^28 (gpt2-124m) the two were within 3 %.
+# "auto" on CUDA, from benchmarks/results (H200, 2026-11-26): the fused step took less time
+# on every set under 2^27 elements, by its lower host time (2,000 tensors of 16 elements: 0.70
+# vs 1.20 ms per PNM step; one tensor of 2^20: 0.044 vs 0.124 ms). From 2^28 fp32 elements up
+# (flat256M, llama-1b, flat1024M) the Triton step took 1-3 % less (runs 3 and 4, beside the
+# current fused step; 4-6 % beside the older one of run 2). In bf16 no Triton configuration
+# took less time than the current fused step (0-11 % more), so 16-bit batches stay fused.
+# Between 2^27 and 2^28 (gpt2-124m) the two were within 1 %.
 AUTO_TRITON_MIN_NUMEL = 1 << 28
 
 
-def auto_prefers_triton(device: torch.device, numel: Optional[int]) -> bool:
-    """Whether "auto" runs a CUDA batch of `numel` elements on the Triton kernels: only for
-    large batches, and only on the GPU generation where that was measured (Hopper)."""
-    if numel is None or numel < AUTO_TRITON_MIN_NUMEL or device.type != "cuda":
+def auto_prefers_triton(device: torch.device, dtype: torch.dtype, numel: Optional[int]) -> bool:
+    """Whether "auto" runs a CUDA batch of `numel` elements on the Triton kernels: only large
+    float32 batches, and only on the GPU generation where that was measured (Hopper)."""
+    if (numel is None or numel < AUTO_TRITON_MIN_NUMEL or device.type != "cuda"
+            or dtype != torch.float32):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
 
@@ -278,7 +280,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         reason = triton_unavailable_reason(device, dtype)
     else:  # auto
         if fused_unavailable_reason(device, dtype) is None:
-            if (auto_prefers_triton(device, numel)
+            if (auto_prefers_triton(device, dtype, numel)
                     and triton_unavailable_reason(device, dtype) is None):
                 return "triton_eager"
             return "fused"

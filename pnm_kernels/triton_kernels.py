@@ -179,9 +179,7 @@ class LaunchConfig:
     num_warps: int
 
 
-# Per GPU generation, and on Hopper per element size and optimizer (keys: compute capability
-# major, or (major, bytes per element, adaptive)); the interpreter gets small chunks so tests
-# cross chunk boundaries.
+# Per GPU generation; the interpreter gets small chunks so tests cross chunk boundaries.
 _CONFIGS = {
     "interpreter": LaunchConfig(block=64, iters=2, num_warps=4),
     # Hopper: benchmarks/tune_triton.py on an H200 (2026-11-26, 2^28 elements, two runs): 8192
@@ -190,6 +188,10 @@ _CONFIGS = {
     # 2048 x 8, 8 warps used before reached 66-68 % of copy bandwidth in AdaPNM against 88-89 %.
     # It runs at the 128-register cap of 16 warps and spills (ptxas for sm_90a: 68 bytes a
     # thread in fp32 PNM, ~630-710 in AdaPNM-AMSGrad), and was still the fastest measured.
+    # Runs 3 and 4 (results/gpu-h200-2026-11-26-run3, -run4) benchmarked per-dtype
+    # configurations that tune_triton.py ranked higher: with them bf16 AdaPNM took 4-11 % more
+    # time than the fused step from 2^26 elements, with this one 2 % less to 1 % more (run 2,
+    # against the older fused step); fp32 and bf16 PNM were alike. So this one stays.
     9: LaunchConfig(block=8192, iters=2, num_warps=16),
     8: LaunchConfig(block=1024, iters=16, num_warps=4),  # Ampere / Ada
 }
@@ -211,9 +213,7 @@ def launch_config(device: torch.device, dtype: torch.dtype, adaptive: bool) -> L
         return _override[(dtype, adaptive)]
     if device.type != "cuda":
         return _CONFIGS["interpreter"]
-    major = torch.cuda.get_device_capability(device)[0]
-    key = (major, dtype.itemsize, adaptive)
-    return _CONFIGS.get(key) or _CONFIGS.get(major, _DEFAULT_CONFIG)
+    return _CONFIGS.get(torch.cuda.get_device_capability(device)[0], _DEFAULT_CONFIG)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

@@ -114,9 +114,9 @@ def test_low_precision_is_at_least_as_accurate_as_the_reference(path, dtype, sla
 
 @pytest.mark.parametrize("capability,expected", [((9, 0), "triton_eager"), ((8, 0), "fused")])
 def test_auto_on_cuda_picks_by_the_measured_batch_size(capability, expected, monkeypatch):
-    """On CUDA, "auto" is the fused step, and for a batch of at least 2^28 elements on a
-    Hopper GPU the Triton step (4-6 % less time in fp32 on an H200; benchmarks/results).
-    Other generations keep the fused step: nothing was measured there."""
+    """On CUDA, "auto" is the fused step, and for a float32 batch of at least 2^28 elements
+    on a Hopper GPU the Triton step (1-3 % less time on an H200; none in bf16; see
+    benchmarks/results). Other generations keep the fused step: nothing was measured there."""
     from pnm_kernels import _backends
 
     cuda = torch.device("cuda")
@@ -126,23 +126,35 @@ def test_auto_on_cuda_picks_by_the_measured_batch_size(capability, expected, mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     large = _backends.AUTO_TRITON_MIN_NUMEL
     assert _backends.resolve_backend("auto", cuda, torch.float32, large) == expected
-    assert _backends.resolve_backend("auto", cuda, torch.bfloat16, large - 1) == "fused"
+    assert _backends.resolve_backend("auto", cuda, torch.float32, large - 1) == "fused"
+    assert _backends.resolve_backend("auto", cuda, torch.bfloat16, large) == "fused"
     assert _backends.resolve_backend("auto", cuda, torch.float32) == "fused"
     assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float32, large) == "fused"
 
 
-def test_triton_launch_configuration_by_generation_element_size_and_optimizer(monkeypatch):
-    """Hopper may have one configuration per element size and optimizer (tuned), falling back
-    to the generation's; set_launch_config overrides all launches or only the ones it names."""
+def test_auto_prefers_triton_only_for_large_float32_batches_on_hopper(monkeypatch):
+    """The rule alone, so it is checked without a GPU too."""
+    from pnm_kernels import _backends
+
+    cuda, large = torch.device("cuda"), _backends.AUTO_TRITON_MIN_NUMEL
+    prefers = _backends.auto_prefers_triton
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    assert prefers(cuda, torch.float32, large)
+    assert not prefers(cuda, torch.float32, large - 1)
+    assert not prefers(cuda, torch.float32, None)  # size unknown
+    assert not prefers(cuda, torch.bfloat16, large) and not prefers(cuda, torch.float16, large)
+    assert not prefers(torch.device("cpu"), torch.float32, large)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert not prefers(cuda, torch.float32, large)
+
+
+def test_triton_launch_configuration_by_generation_and_its_override(monkeypatch):
+    """One configuration per GPU generation; set_launch_config overrides every launch, or only
+    those of the (dtype, adaptive) pairs it names (how bench_step.py runs tuned ones)."""
     tk = pytest.importorskip("pnm_kernels.triton_kernels")
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    special = tk.LaunchConfig(block=128, iters=1, num_warps=1)
-    monkeypatch.setitem(tk._CONFIGS, (9, 2, True), special)
-    assert tk.launch_config(cuda, torch.bfloat16, True) == special
-    assert tk.launch_config(cuda, torch.float16, True) == special  # by element size
-    assert tk.launch_config(cuda, torch.bfloat16, False) == tk._CONFIGS[9]
-    assert tk.launch_config(cuda, torch.float32, True) == tk._CONFIGS[9]
+    assert tk.launch_config(cuda, torch.bfloat16, True) == tk._CONFIGS[9]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
     assert tk.launch_config(torch.device("cpu"), torch.float32, True) == tk._CONFIGS["interpreter"]
@@ -152,6 +164,7 @@ def test_triton_launch_configuration_by_generation_element_size_and_optimizer(mo
         tk.set_launch_config({(torch.float32, False): other})
         assert tk.launch_config(cuda, torch.float32, False) == other
         assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
+        assert tk.launch_config(cuda, torch.bfloat16, False) == tk._DEFAULT_CONFIG
         tk.set_launch_config(other)
         assert tk.launch_config(torch.device("cpu"), torch.bfloat16, True) == other
     finally:
