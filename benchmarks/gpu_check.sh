@@ -47,7 +47,7 @@ stage build 200 env TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 python3 setup.py buil
   || { tail -30 "$WORK/build.log"; exit 1; }
 
 # --dist load: with loadfile, a crashed worker once ended the whole run in an xdist error.
-stage tests 170 python3 -m pytest tests -q -rfE --tb=short -n 8 --dist load --max-worker-restart 100 \
+stage tests 170 python3 -m pytest tests -q -rfEs --tb=short -n 8 --dist load --max-worker-restart 100 \
   --timeout 150 -p no:cacheprovider
 tail -4 "$WORK/tests.log"
 
