@@ -432,8 +432,9 @@ def main(argv=None):
         from pnm_kernels.triton_kernels import set_launch_config
         configs = load_best(args.triton_configs)
         set_launch_config(configs)
-        info["triton_configs"] = {f"{str(dt)[6:]}/{'AdaPNM' if ada else 'PNM'}": dataclasses.asdict(c)
-                                  for (dt, ada), c in configs.items()}
+        info["triton_configs"] = {
+            f"{str(dt).removeprefix('torch.')}/{'AdaPNM' if ada else 'PNM'}": dataclasses.asdict(c)
+            for (dt, ada), c in configs.items()}
     copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
                                else (256 << 20))
     progress = Progress(rounds * len(names))
