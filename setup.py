@@ -26,7 +26,9 @@ with_cuda = os.environ.get("PNM_KERNELS_NO_CUDA", "0") != "1" and (
     shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
 )
 
-cxx_flags = ["-O3", "-fno-math-errno", "-fopenmp"]
+# No contraction into FMA: the CPU kernel is bitwise equal to the emulated CUDA block body
+# (AVX-512 targets enable FMA in GCC, which would contract by default).
+cxx_flags = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
 
 
 def torch_libstdcxx():

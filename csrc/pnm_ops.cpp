@@ -10,7 +10,9 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <string>
 #include <type_traits>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -385,13 +387,18 @@ PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begi
   }
 }
 
-// The range loop compiled twice: for the x86-64 baseline (SSE2) and for AVX2 (+F16C), picked
-// at run time. No FMA: the CPU kernel stays bitwise equal to the emulated CUDA path, whose
-// tests compare the two.
+// The range loop compiled three times: for the x86-64 baseline (SSE2), for AVX2 (+F16C) and
+// for AVX-512 (F, BW, VL), picked at run time. AVX-512 halves the instructions per element,
+// which is what bf16 and fp16 steps (conversions in and out) are bound by. No FMA (the build
+// passes -ffp-contract=off; AVX-512 targets would contract otherwise): the CPU kernel stays
+// bitwise equal to the emulated CUDA path, whose tests compare the two on every ISA.
 template <typename T, class Algo>
 void cpu_range_baseline(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
   cpu_range_body<T, Algo, false>(w, begin, end, gf);
 }
+
+enum class CpuIsa { kBaseline, kAvx2, kAvx512 };
+constexpr const char* kCpuIsaNames[] = {"baseline", "avx2", "avx512"};
 
 #ifdef PNM_X86_AVX2
 template <typename T, class Algo>
@@ -399,13 +406,48 @@ __attribute__((target("avx2,f16c"))) void cpu_range_avx2(const CpuTensorWork<T, 
                                                           int64_t begin, int64_t end, float gf) {
   cpu_range_body<T, Algo, true>(w, begin, end, gf);
 }
-const bool kHasAvx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+
+template <typename T, class Algo>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) void cpu_range_avx512(
+    const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+  cpu_range_body<T, Algo, true>(w, begin, end, gf);
+}
 #endif
+
+bool cpu_supports(CpuIsa isa) {
+#ifdef PNM_X86_AVX2
+  const bool avx2 = __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  switch (isa) {
+    case CpuIsa::kBaseline: return true;
+    case CpuIsa::kAvx2: return avx2;
+    case CpuIsa::kAvx512:
+      return avx2 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+             __builtin_cpu_supports("avx512vl");
+  }
+#endif
+  return isa == CpuIsa::kBaseline;
+}
+
+CpuIsa best_cpu_isa() {
+  for (CpuIsa isa : {CpuIsa::kAvx512, CpuIsa::kAvx2}) {
+    if (cpu_supports(isa)) return isa;
+  }
+  return CpuIsa::kBaseline;
+}
+
+CpuIsa& active_cpu_isa() {
+  static CpuIsa isa = best_cpu_isa();
+  return isa;
+}
 
 template <typename T, class Algo>
 void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
 #ifdef PNM_X86_AVX2
-  if (kHasAvx2) return cpu_range_avx2<T, Algo>(w, begin, end, gf);
+  switch (active_cpu_isa()) {
+    case CpuIsa::kAvx512: return cpu_range_avx512<T, Algo>(w, begin, end, gf);
+    case CpuIsa::kAvx2: return cpu_range_avx2<T, Algo>(w, begin, end, gf);
+    case CpuIsa::kBaseline: break;
+  }
 #endif
   cpu_range_baseline<T, Algo>(w, begin, end, gf);
 }
@@ -559,6 +601,29 @@ void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_bloc
   limits.max_tensors = static_cast<int>(max_tensors);
   limits.max_blocks = static_cast<int>(max_blocks);
   limits.max_single_launch_blocks = static_cast<int>(max_single_launch_blocks);
+}
+
+// Test and benchmark hook: the ISA the fused CPU kernel runs with ("" = the best this CPU
+// has). Returns the one now active; an ISA the CPU lacks is refused.
+std::string set_cpu_isa(const std::string& name) {
+  CpuIsa isa = best_cpu_isa();
+  if (!name.empty()) {
+    const auto* found = std::find(std::begin(kCpuIsaNames), std::end(kCpuIsaNames), name);
+    TORCH_CHECK(found != std::end(kCpuIsaNames), "pnm_kernels: unknown CPU ISA '", name,
+                "'; expected baseline, avx2 or avx512");
+    isa = static_cast<CpuIsa>(found - std::begin(kCpuIsaNames));
+    TORCH_CHECK(cpu_supports(isa), "pnm_kernels: this CPU (or build) has no ", name);
+  }
+  active_cpu_isa() = isa;
+  return kCpuIsaNames[static_cast<int>(isa)];
+}
+
+std::vector<std::string> cpu_isas() {
+  std::vector<std::string> names;
+  for (CpuIsa isa : {CpuIsa::kBaseline, CpuIsa::kAvx2, CpuIsa::kAvx512}) {
+    if (cpu_supports(isa)) names.emplace_back(kCpuIsaNames[static_cast<int>(isa)]);
+  }
+  return names;
 }
 
 // The lists of a batch that stay the same from step to step (parameters, buffers, step
@@ -716,6 +781,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
   m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
+  m.def("_set_cpu_isa(str isa=\"\") -> str", &pnm::set_cpu_isa);
+  m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
   m.class_<pnm::StepLists>("StepLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

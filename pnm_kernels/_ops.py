@@ -35,3 +35,14 @@ def set_launch_limits(chunk_size: int = 0, max_tensors: int = 0, max_blocks: int
     and no cap in the emulation). Zeros restore the defaults."""
     torch.ops.pnm_kernels._set_launch_limits(chunk_size, max_tensors, max_blocks,
                                              max_single_launch_blocks)
+
+
+def cpu_isas() -> list:
+    """The instruction sets the fused CPU kernel can run with on this CPU, best last."""
+    return list(torch.ops.pnm_kernels._cpu_isas())
+
+
+def set_cpu_isa(isa: str = "") -> str:
+    """Test and benchmark hook: run the fused CPU kernel with "baseline" (SSE2), "avx2" or
+    "avx512"; "" restores the best this CPU has. Returns the one now active."""
+    return torch.ops.pnm_kernels._set_cpu_isa(isa)

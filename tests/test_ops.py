@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import make_params, requires_extension
-from pnm_kernels._ops import set_launch_limits
+from pnm_kernels._ops import cpu_isas, set_cpu_isa, set_launch_limits
 
 pytestmark = requires_extension
 
@@ -262,8 +262,58 @@ def test_a_large_model_is_one_launch_and_many_tensors_are_few():
     assert [table for table, _, _ in many] == sorted(i // 535 for i in range(2000))
 
 
+@pytest.fixture(params=["baseline", "avx2", "avx512"])
+def cpu_isa(request):
+    """Runs the fused CPU kernel with one instruction set (skipped where the CPU lacks it)."""
+    if request.param not in cpu_isas():
+        pytest.skip(f"this CPU has no {request.param}")
+    set_cpu_isa(request.param)
+    yield request.param
+    set_cpu_isa()
+
+
+def test_the_cpu_kernel_runs_with_the_best_isa_and_refuses_unknown_ones():
+    assert cpu_isas()[0] == "baseline"
+    assert set_cpu_isa() == cpu_isas()[-1]
+    with pytest.raises(RuntimeError, match="unknown CPU ISA 'neon'"):
+        set_cpu_isa("neon")
+    assert set_cpu_isa() == cpu_isas()[-1]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("algo", ["pnm", "pnm-l2", "adapnm", "adapnm-decoupled-no-amsgrad"])
+def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(cpu_isa, algo, dtype):
+    """The fused CPU kernel is compiled for SSE2, AVX2 and AVX-512 and picks one at run time.
+    Each, vector bodies and scalar tails alike, across a CPU chunk boundary (2^15 elements),
+    gives bit for bit what the CUDA block body (emulated) gives: no FMA contraction, the same
+    fp16/bf16 conversions, both parities."""
+    shapes = [(1,), (15,), (16,), (17,), (33,), (1000,), (2**15 + 19,)]
+    params = {op: [p.detach() for p in make_params(shapes, dtype=dtype, device="cpu")]
+              for op in ("fused", "emulated")}
+    adaptive = algo.startswith("adapnm")
+    amsgrad = algo == "adapnm"
+    n_buffers = (4 if amsgrad else 3) if adaptive else 2
+    state = {op: ([[torch.zeros_like(p) for p in ps] for _ in range(n_buffers)],
+                  [torch.zeros(()) for _ in ps]) for op, ps in params.items()}
+    kwargs = (adapnm_kwargs(amsgrad=amsgrad, decoupled=algo.endswith("no-amsgrad"))
+              if adaptive else pnm_kwargs(decoupled=algo == "pnm"))
+    name = "adapnm_step_" if adaptive else "pnm_step_"
+    for step in range(5):
+        gen = torch.Generator().manual_seed(step)
+        grads = [torch.randn(s, generator=gen).to(dtype) for s in shapes]
+        for op, prefix in (("fused", ""), ("emulated", "emulated_cuda_")):
+            buffers, steps = state[op]
+            if adaptive and not amsgrad:
+                buffers = buffers + [[]]
+            getattr(torch.ops.pnm_kernels, prefix + name)(params[op], grads, *buffers, steps,
+                                                          **kwargs)
+    flat = lambda op: params[op] + sum(state[op][0], []) + state[op][1]  # noqa: E731
+    for x, y in zip(flat("fused"), flat("emulated"), strict=True):
+        assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype):
+def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, cpu_isa):
     """The CPU kernel converts fp16/bf16 with its own vectorised code; the emulated CUDA body
     uses c10's conversions. Ties, overflow to inf, subnormals, NaN and inf come out the same
     bit for bit."""
