@@ -628,8 +628,8 @@ void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_bloc
   limits.max_single_launch_blocks = static_cast<int>(max_single_launch_blocks);
 }
 
-// Test and benchmark hook: the ISA the fused CPU kernel runs with ("" = the best this CPU
-// has). Returns the one now active; an ISA the CPU lacks is refused.
+// The ISA the fused CPU kernel runs with ("" = the best this CPU has; pnm_kernels._ops picks
+// torch's level at import). Returns the one now active; an ISA the CPU lacks is refused.
 std::string set_cpu_isa(const std::string& name) {
   CpuIsa isa = best_cpu_isa();
   if (!name.empty()) {
@@ -642,6 +642,8 @@ std::string set_cpu_isa(const std::string& name) {
   active_cpu_isa() = isa;
   return kCpuIsaNames[static_cast<int>(isa)];
 }
+
+std::string cpu_isa() { return kCpuIsaNames[static_cast<int>(active_cpu_isa())]; }
 
 std::vector<std::string> cpu_isas() {
   std::vector<std::string> names;
@@ -808,6 +810,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
   m.def("_set_cpu_isa(str isa=\"\") -> str", &pnm::set_cpu_isa);
   m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
+  m.def("_cpu_isa() -> str", &pnm::cpu_isa);
   m.class_<pnm::StepLists>("StepLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

@@ -42,7 +42,24 @@ def cpu_isas() -> list:
     return list(torch.ops.pnm_kernels._cpu_isas())
 
 
-def set_cpu_isa(isa: str = "") -> str:
-    """Test and benchmark hook: run the fused CPU kernel with "baseline" (SSE2), "avx2" or
-    "avx512"; "" restores the best this CPU has. Returns the one now active."""
-    return torch.ops.pnm_kernels._set_cpu_isa(isa)
+def cpu_isa() -> str:
+    """The instruction set the fused CPU kernel runs with now."""
+    return torch.ops.pnm_kernels._cpu_isa()
+
+
+def default_cpu_isa() -> str:
+    """The level torch's own CPU kernels run at (torch.backends.cpu.get_cpu_capability(), which
+    the ATEN_CPU_CAPABILITY environment variable caps), within what this CPU and build have."""
+    wanted = {"DEFAULT": "baseline", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+    have = cpu_isas()
+    return wanted if wanted in have else have[-1]
+
+
+def set_cpu_isa(isa: Optional[str] = None) -> str:
+    """Runs the fused CPU kernel with "baseline" (SSE2), "avx2" or "avx512" (a test and
+    benchmark hook); None restores default_cpu_isa(). Returns the one now active."""
+    return torch.ops.pnm_kernels._set_cpu_isa(default_cpu_isa() if isa is None else isa)
+
+
+if _EXTENSION_ERROR is None:
+    set_cpu_isa()

@@ -1,13 +1,15 @@
 """The compiled ops themselves: schemas and fake kernels (opcheck), argument checks in C++,
 and the CUDA launch planner, exercised through its CPU emulation."""
+import os
 import shutil
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from conftest import make_params, requires_extension
-from pnm_kernels._ops import cpu_isas, set_cpu_isa, set_launch_limits
+from pnm_kernels._ops import cpu_isa, cpu_isas, default_cpu_isa, set_cpu_isa, set_launch_limits
 
 pytestmark = requires_extension
 
@@ -263,7 +265,7 @@ def test_a_large_model_is_one_launch_and_many_tensors_are_few():
 
 
 @pytest.fixture(params=["baseline", "avx2", "avx512"])
-def cpu_isa(request):
+def each_cpu_isa(request):
     """Runs the fused CPU kernel with one instruction set (skipped where the CPU lacks it)."""
     if request.param not in cpu_isas():
         pytest.skip(f"this CPU has no {request.param}")
@@ -272,17 +274,30 @@ def cpu_isa(request):
     set_cpu_isa()
 
 
-def test_the_cpu_kernel_runs_with_the_best_isa_and_refuses_unknown_ones():
+def test_the_cpu_kernel_runs_at_torchs_cpu_level_and_refuses_unknown_isas():
     assert cpu_isas()[0] == "baseline"
-    assert set_cpu_isa() == cpu_isas()[-1]
+    assert cpu_isa() == default_cpu_isa()
+    if torch.backends.cpu.get_cpu_capability().startswith("AVX512"):
+        assert cpu_isa() == "avx512"
     with pytest.raises(RuntimeError, match="unknown CPU ISA 'neon'"):
         set_cpu_isa("neon")
-    assert set_cpu_isa() == cpu_isas()[-1]
+    assert cpu_isa() == default_cpu_isa()
+
+
+@pytest.mark.parametrize("capability, isa", [("default", "baseline"), ("avx2", "avx2")])
+def test_aten_cpu_capability_caps_the_cpu_kernel_as_it_caps_torch(capability, isa):
+    if isa not in cpu_isas():
+        pytest.skip(f"this CPU has no {isa}")
+    code = "import pnm_kernels._ops as ops; print(ops.cpu_isa())"
+    env = dict(os.environ, ATEN_CPU_CAPABILITY=capability)
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                         check=True).stdout
+    assert out.strip() == isa
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("algo", ["pnm", "pnm-l2", "adapnm", "adapnm-decoupled-no-amsgrad"])
-def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(cpu_isa, algo, dtype):
+def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(each_cpu_isa, algo, dtype):
     """The fused CPU kernel is compiled for SSE2, AVX2 and AVX-512 and picks one at run time.
     Each, vector bodies and scalar tails alike, across a CPU chunk boundary (2^15 elements),
     gives bit for bit what the CUDA block body (emulated) gives: no FMA contraction, the same
@@ -313,7 +328,7 @@ def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(cpu_isa, algo, dty
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, cpu_isa):
+def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, each_cpu_isa):
     """The CPU kernel converts fp16/bf16 with its own vectorised code; the emulated CUDA body
     uses c10's conversions. Ties, overflow to inf, subnormals, NaN and inf come out the same
     bit for bit."""
