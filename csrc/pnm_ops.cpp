@@ -486,6 +486,7 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   std::vector<CpuTensorWork<T, Algo>> work(n);
   std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
   double coeffs_step = -1.0;  // tensors mostly share a step count: compute its pow()s once
+  int64_t total = 0;
   Coeffs coeffs{};
   for (int64_t i = 0; i < n; ++i) {
     // Types were checked with the call: the untyped pointers skip a check per tensor.
@@ -499,9 +500,15 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
       coeffs_step = step;
     }
     work[i].coeffs = coeffs;
-    for (int64_t b = 0; b < call.lists[0][i].numel(); b += kCpuChunk) chunks.emplace_back(i, b);
+    const int64_t numel = call.lists[0][i].numel();
+    for (int64_t b = 0; b < numel; b += kCpuChunk) chunks.emplace_back(i, b);
+    total += numel;
   }
-  at::parallel_for(0, static_cast<int64_t>(chunks.size()), 1, [&](int64_t lo, int64_t hi) {
+  // A task gets at least about kCpuChunk elements: a step over many tiny tensors runs on the
+  // calling thread instead of paying to wake the others for microseconds of work.
+  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
+  const int64_t grain = std::max<int64_t>(1, num_chunks * kCpuChunk / std::max<int64_t>(total, 1));
+  at::parallel_for(0, num_chunks, grain, [&](int64_t lo, int64_t hi) {
     for (int64_t k = lo; k < hi; ++k) {
       const auto [i, b] = chunks[k];
       cpu_range(work[i], b, std::min(b + kCpuChunk, call.lists[0][i].numel()), gf);
