@@ -230,11 +230,11 @@ GatheredPointers gather_pointers(const StepCall& call) {
 namespace {
 
 // ---------------------------------------------------------------------------------------
-// Fused CPU kernel: one pass over memory, chunks of all tensors spread over threads with
-// at::parallel_for; fp32 loops are written for the compiler's auto-vectoriser (restrict
-// pointers, no branches), fp32 and bf16 in place, fp16 through small fp32 tiles.
+// Fused CPU kernel: one pass over memory, the elements of all tensors split evenly between
+// threads with at::parallel_for; fp32 loops are written for the compiler's auto-vectoriser
+// (restrict pointers, no branches), fp32 and bf16 in place, fp16 through small fp32 tiles.
 
-constexpr int64_t kCpuChunk = 1 << 15;
+constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 constexpr int64_t kCpuTile = 512;
 
 // Element access in fp32 for the storage types the loops run on directly: fp32, and bf16
@@ -484,9 +484,8 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
   const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
   std::vector<CpuTensorWork<T, Algo>> work(n);
-  std::vector<std::pair<int64_t, int64_t>> chunks;  // (tensor, first element)
+  std::vector<int64_t> offsets(n + 1, 0);  // tensor i: elements [offsets[i], offsets[i + 1])
   double coeffs_step = -1.0;  // tensors mostly share a step count: compute its pow()s once
-  int64_t total = 0;
   Coeffs coeffs{};
   for (int64_t i = 0; i < n; ++i) {
     // Types were checked with the call: the untyped pointers skip a check per tensor.
@@ -500,18 +499,19 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
       coeffs_step = step;
     }
     work[i].coeffs = coeffs;
-    const int64_t numel = call.lists[0][i].numel();
-    for (int64_t b = 0; b < numel; b += kCpuChunk) chunks.emplace_back(i, b);
-    total += numel;
+    offsets[i + 1] = offsets[i] + call.lists[0][i].numel();
   }
-  // A task gets at least about kCpuChunk elements: a step over many tiny tensors runs on the
-  // calling thread instead of paying to wake the others for microseconds of work.
-  const int64_t num_chunks = static_cast<int64_t>(chunks.size());
-  const int64_t grain = std::max<int64_t>(1, num_chunks * kCpuChunk / std::max<int64_t>(total, 1));
-  at::parallel_for(0, num_chunks, grain, [&](int64_t lo, int64_t hi) {
-    for (int64_t k = lo; k < hi; ++k) {
-      const auto [i, b] = chunks[k];
-      cpu_range(work[i], b, std::min(b + kCpuChunk, call.lists[0][i].numel()), gf);
+  // The tensors as one run of elements, split between threads by element count (a split by
+  // tensor or by chunk count leaves one thread with more work when sizes differ), each
+  // thread's share at least kCpuChunk: a step over many tiny tensors stays on the calling
+  // thread instead of paying to wake the others for microseconds of work.
+  at::parallel_for(0, offsets[n], kCpuChunk, [&](int64_t lo, int64_t hi) {
+    // The first tensor with elements at or after lo (empty tensors share its offset).
+    int64_t i = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
+    for (; i < n && offsets[i] < hi; ++i) {
+      const int64_t begin = std::max(lo, offsets[i]) - offsets[i];
+      const int64_t end = std::min(hi, offsets[i + 1]) - offsets[i];
+      if (begin < end) cpu_range(work[i], begin, end, gf);
     }
   });
   for (int64_t i = 0; i < n; ++i) *static_cast<float*>(call.steps[i].data_ptr()) += 1.0f;

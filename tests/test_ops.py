@@ -327,6 +327,37 @@ def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(each_cpu_isa, algo
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
 
 
+@pytest.mark.parametrize("threads", [2, 3])
+@pytest.mark.parametrize("shapes", [[(0,), (40000,), (0,), (7,), (25000,), (0,), (1,), (30000,)],
+                                    [(2**15,), (0,), (2**15,)]],
+                         ids=["splits-inside-tensors", "split-on-a-boundary-beside-an-empty-one"])
+def test_the_cpu_kernel_splits_elements_between_threads_without_gaps_or_overlaps(shapes, threads):
+    """The CPU kernel splits the batch's elements evenly between threads, across tensor
+    boundaries: every element is updated exactly once (bitwise the emulated CUDA result)."""
+    params = {op: [p.detach() for p in make_params(shapes, device="cpu")]
+              for op in ("pnm_step_", "emulated_cuda_pnm_step_")}
+    state = {op: ([[torch.zeros_like(p) for p in ps] for _ in range(2)],
+                  [torch.zeros(()) for _ in ps]) for op, ps in params.items()}
+    previous = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for step in range(3):
+            gen = torch.Generator().manual_seed(step)
+            grads = [torch.randn(s, generator=gen) for s in shapes]
+            for op, ps in params.items():
+                getattr(torch.ops.pnm_kernels, op)(ps, grads, *state[op][0], state[op][1],
+                                                   **pnm_kwargs())
+    finally:
+        torch.set_num_threads(previous)
+    for op in params:
+        assert [s.item() for s in state[op][1]] == [3.0] * len(shapes)
+    for x, y in zip(params["pnm_step_"], params["emulated_cuda_pnm_step_"], strict=True):
+        assert torch.equal(x, y)
+    for xs, ys in zip(state["pnm_step_"][0], state["emulated_cuda_pnm_step_"][0], strict=True):
+        for x, y in zip(xs, ys, strict=True):
+            assert torch.equal(x, y)
+
+
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, each_cpu_isa):
     """The CPU kernel converts fp16/bf16 with its own vectorised code; the emulated CUDA body
