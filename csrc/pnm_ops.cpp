@@ -635,19 +635,16 @@ void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_bloc
   limits.max_single_launch_blocks = static_cast<int>(max_single_launch_blocks);
 }
 
-// The ISA the fused CPU kernel runs with ("" = the best this CPU has; pnm_kernels._ops picks
-// torch's level at import). Returns the one now active; an ISA the CPU lacks is refused.
+// The ISA the fused CPU kernel runs with (pnm_kernels._ops picks torch's level at import).
+// Returns the one now active; an ISA the CPU lacks is refused.
 std::string set_cpu_isa(const std::string& name) {
-  CpuIsa isa = best_cpu_isa();
-  if (!name.empty()) {
-    const auto* found = std::find(std::begin(kCpuIsaNames), std::end(kCpuIsaNames), name);
-    TORCH_CHECK(found != std::end(kCpuIsaNames), "pnm_kernels: unknown CPU ISA '", name,
-                "'; expected baseline, avx2 or avx512");
-    isa = static_cast<CpuIsa>(found - std::begin(kCpuIsaNames));
-    TORCH_CHECK(cpu_supports(isa), "pnm_kernels: this CPU (or build) has no ", name);
-  }
+  const auto* found = std::find(std::begin(kCpuIsaNames), std::end(kCpuIsaNames), name);
+  TORCH_CHECK(found != std::end(kCpuIsaNames), "pnm_kernels: unknown CPU ISA '", name,
+              "'; expected baseline, avx2 or avx512");
+  const auto isa = static_cast<CpuIsa>(found - std::begin(kCpuIsaNames));
+  TORCH_CHECK(cpu_supports(isa), "pnm_kernels: this CPU (or build) has no ", name);
   active_cpu_isa() = isa;
-  return kCpuIsaNames[static_cast<int>(isa)];
+  return name;
 }
 
 std::string cpu_isa() { return kCpuIsaNames[static_cast<int>(active_cpu_isa())]; }
@@ -815,7 +812,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
   m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
-  m.def("_set_cpu_isa(str isa=\"\") -> str", &pnm::set_cpu_isa);
+  m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
   m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
   m.def("_cpu_isa() -> str", &pnm::cpu_isa);
   m.class_<pnm::StepLists>("StepLists")
