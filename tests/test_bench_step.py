@@ -2,6 +2,7 @@
 judged here: figures belong to benchmarks, not tests)."""
 import json
 import os
+import shutil
 import sys
 
 import pytest
@@ -97,3 +98,14 @@ def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_be
     assert info["triton_configs"]["float32/PNM"]["block"] == best["PNM"]["block"]
     assert "Triton launch configurations" in (tmp_path / "bench_step-cpu-float32.md").read_text()
     assert triton_kernels._override is None  # the benchmark put the built-in table back
+
+
+@pytest.mark.skipif(shutil.which("g++") is None, reason="needs g++ to build the bare loops")
+def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_steps(capsys):
+    import cpu_floor
+    cpu_floor.main(["--set", "flat", "--numel", "10000", "--rounds", "1"])
+    out = capsys.readouterr().out
+    for family in ("SGD-momentum", "PNM", "Adam-amsgrad", "AdaPNM"):
+        assert f"| {family} | bare loop |" in out
+    assert "| PNM | pnm_kernels fused |" in out and "| AdaPNM | pnm_kernels fused |" in out
+    assert "AdaPNM ÷ Adam-amsgrad, effective GB/s: bare loop" in out
