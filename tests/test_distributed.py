@@ -1,7 +1,7 @@
-"""DDP and FSDP2 (DTensor parameters) with 2 ranks, over gloo on the CPU and over NCCL on two
-GPUs: training matches single-process training, the optimizer updates local shards without
-gathering, and torch.distributed.checkpoint saves and restores PNM/AdaPNM state so training
-resumes exactly."""
+"""DDP (also with ZeroRedundancyOptimizer) and FSDP2 (DTensor parameters) with 2 ranks, over
+gloo on the CPU and over NCCL on two GPUs: training matches single-process training, the
+optimizer updates local shards without gathering, and torch.distributed.checkpoint saves and
+restores PNM/AdaPNM state so training resumes exactly."""
 import os
 import sys
 import tempfile
@@ -30,10 +30,16 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
 
 
-def _make_opt(name, params, device="cpu"):
-    return OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend="fused"
-                            if "fused" in __import__("pnm_kernels").available_backends(device)
-                            else "foreach")
+def _make_opt(name, params, device="cpu", zero=False):
+    """The optimizer, or with zero=True torch's ZeroRedundancyOptimizer wrapping it (each rank
+    keeps the state of its share of the parameters and broadcasts them after its step)."""
+    kwargs = dict(lr=1e-2, weight_decay=0.1, backend="fused"
+                  if "fused" in __import__("pnm_kernels").available_backends(device)
+                  else "foreach")
+    if zero:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        return ZeroRedundancyOptimizer(params, optimizer_class=OPTIMIZERS[name], **kwargs)
+    return OPTIMIZERS[name](params, **kwargs)
 
 
 def _train(model, opt, xs, ys, steps, rank=None):
@@ -74,8 +80,10 @@ def _worker(rank, mode, name, workdir, port):
         if mode.startswith("ddp"):
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[rank] if nccl else None)
-            opt = _make_opt(name, model.parameters(), device)
+            opt = _make_opt(name, model.parameters(), device, zero=mode == "ddp-zero")
             _train(model, opt, xs, ys, range(STEPS), rank)
+            if mode == "ddp-zero":  # this rank's optimizer holds state for its share only
+                assert 0 < len(opt.optim.state) < len(list(model.parameters()))
             full = [p.detach().cpu() for p in model.parameters()]
         else:
             _shard(model, offload=mode == "fsdp-offload", device_type=device.type)
@@ -140,7 +148,7 @@ def _checkpoint_round_trip(model, opt, name, workdir):
     return fresh, fresh_opt
 
 
-@pytest.mark.parametrize("mode", ["ddp", "fsdp", "fsdp-dcp", "fsdp-offload",
+@pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "fsdp", "fsdp-dcp", "fsdp-offload",
                                   "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
