@@ -732,7 +732,25 @@ struct StepLists : torch::CustomClassHolder {
   // pnm_step_own_grads): a step over several batches checks them all first.
   bool own_grads_ready() const {
     std::vector<at::Tensor> grads;
-    return own_grads(grads);
+    return own_grads(grads) && held_lists_ok();
+  }
+
+  // Whether the held parameters still fit their state (dtype, device, shape, layout). A
+  // parameter given new data (p.data = ...) changes under the held lists; the optimizer then
+  // rebuilds the batch, its state following the parameter. The buffers are the optimizer's
+  // own and were made to fit when the batch was built, so the first stands for all. A step
+  // over several batches, and a Triton step (whose kernels check nothing), ask this first.
+  bool held_lists_ok() const {
+    if (buffer0.size() != params.size()) return false;
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& p = params[i];
+      const at::Tensor& b = buffer0[i];
+      if (b.scalar_type() != p.scalar_type() || b.device() != p.device() ||
+          !b.sizes().equals(p.sizes()) || !dense_like(b, p)) {
+        return false;
+      }
+    }
+    return true;
   }
 
   // For the Triton step, which writes through raw pointers: the version counters of the
@@ -825,6 +843,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("pnm_step_own_grads", &pnm::StepLists::pnm_step_own_grads)
       .def("adapnm_step_own_grads", &pnm::StepLists::adapnm_step_own_grads)
       .def("own_grads_ready", &pnm::StepLists::own_grads_ready)
+      .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
       .def("bump_versions", &pnm::StepLists::bump_versions);
 }
 

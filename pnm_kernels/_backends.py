@@ -60,6 +60,8 @@ def run_foreach(adaptive, batch, hp, grad_scale, found_inf):
     lr, beta1, beta0, wd = float(hp["lr"]), hp["beta1"], hp["beta0"], hp["weight_decay"]
     params = batch.params
     torch._foreach_add_(batch.steps, 1.0)
+    if params[0].device.type == "meta":  # no values to compute: only the counters advance
+        return
     steps = [int(s) for s in torch.stack(batch.steps).tolist()]
     grads = batch.grads
     if grad_scale is not None:
@@ -291,3 +293,16 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         raise RuntimeError(f"backend={requested!r} is unavailable for {dtype} tensors on "
                            f"{device}: {reason}")
     return requested
+
+
+def held_lists_ok(batch) -> bool:
+    """Whether a cached batch's parameters still fit their state (dtype, device, shape,
+    layout): a parameter given new data (p.data = ...) changes under the held lists. The
+    buffers were made to fit when the batch was built; the first stands for all."""
+    lists = step_lists(batch)
+    if lists is not None:
+        return lists.held_lists_ok()
+    # Without the extension (a Triton-only install), the same check in Python. Cached
+    # batches hold contiguous tensors only.
+    return all(p.is_contiguous() and b.dtype == p.dtype and b.device == p.device
+               and b.shape == p.shape for p, b in zip(batch.params, batch.buffers[0]))

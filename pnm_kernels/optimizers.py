@@ -125,6 +125,22 @@ def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
     return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
+def _state_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether a state buffer still matches its parameter: dtype, device, shape and the
+    layout zeros_like gives it (which the kernels that walk raw memory rely on)."""
+    if buffer.dtype != p.dtype or buffer.device != p.device or buffer.shape != p.shape:
+        return False
+    if not _is_plain(p):
+        return True
+    if p.is_contiguous():
+        return buffer.is_contiguous()
+    if _is_dense(p):
+        return _same_dense_layout(buffer, p)
+    # A parameter with gaps is copied into its buffers' layout for the step: the one
+    # zeros_like gives it.
+    return buffer.stride() == torch.empty_like(p, device="meta").stride()
+
+
 try:
     from torch.distributed.tensor import DTensor as _DTensor
 except ImportError:  # torch built without distributed
@@ -244,6 +260,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 layouts = self._check_grads(grouping.batches, params, grads, gi)
                 if layouts is None:  # a parameter moved to another device or dtype
                     cached = False
+                    self._drop_cached_batches()
             if not cached:
                 grouping = _Grouping(self._group_batches(group, gi, indices))
                 if len(cache) > 64:
@@ -326,6 +343,13 @@ class _PositiveNegativeMomentum(Optimizer):
         are new each step."""
         group, backend, params = item.group, item.backend, item.params
         cached = self._cached_batch(group, backend, item.ids)
+        if (cached is not None and item.origin is None and not torch.compiler.is_compiling()
+                and not _backends.held_lists_ok(cached)):
+            # A parameter was given new data (p.data = ...) of another dtype, shape or
+            # layout: rebuild, its state following it. (On the deferred path the kernel's
+            # own checks find this before touching anything; see _refusal_explained.)
+            self._drop_cached_batches()
+            cached = None
         if cached is not None:
             layout_ok = item.layout_ok
             if layout_ok is None:
@@ -349,6 +373,9 @@ class _PositiveNegativeMomentum(Optimizer):
         """Changes whenever state entries may have been created or replaced."""
         return (self.__dict__.get("_state_epoch", 0), len(self.state))
 
+    def _drop_cached_batches(self):
+        self._state_epoch = self.__dict__.get("_state_epoch", 0) + 1
+
     def _build_batch(self, group, backend, params, names):
         flat = backend in _backends.FLAT_BACKENDS
         batch = Batch(buffers=[[] for _ in names])
@@ -357,9 +384,13 @@ class _PositiveNegativeMomentum(Optimizer):
             state = self.state[p]
             if "step" not in state:  # loaded steps were made tensors by load_state_dict
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+            elif state["step"].device != p.device:
+                state["step"] = state["step"].to(p.device)
             for name in names:
                 if name not in state:  # e.g. amsgrad switched on mid-run
                     state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                elif not _state_fits(state[name], p):
+                    state[name] = self._follow(p, name, state[name], group)
             param, grad = _local(p), _local(p.grad)
             bufs = [_local(state[name]) for name in names]
             if p.is_complex():
@@ -380,6 +411,21 @@ class _PositiveNegativeMomentum(Optimizer):
                 lst.append(b)
             batch.steps.append(state["step"])
         return batch, writebacks
+
+    def _follow(self, p, name, buffer, group):
+        """A state buffer converted to its parameter's dtype, device and layout, as
+        load_state_dict converts state to its parameter: for a parameter given new data
+        (p.data = ..., model.to(...)) after its state was made. Another shape is an error."""
+        if buffer.shape != p.shape:
+            gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+            pi = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise RuntimeError(
+                f"{_describe(p, gi, pi)}: its state {name!r} has shape {tuple(buffer.shape)}; "
+                "the parameter was given data of another shape after its state was made. "
+                "Restart its state with `del optimizer.state[param]`, or load a matching "
+                "state_dict")
+        self._drop_cached_batches()
+        return torch.empty_like(p).copy_(buffer)
 
     @torch.no_grad()
     def step(self, closure=None):
@@ -467,10 +513,11 @@ class _PositiveNegativeMomentum(Optimizer):
     def _run(self, plan, grad_scale, found_inf):
         """Runs every item of the plan; returns the batches it ran."""
         per_device = {}
-        batches = []
-        for item in plan:
-            batch, writebacks = self._batch(item)
-            batches.append(batch)
+        # Every batch is built (and checked) before any runs: a step that raises has not
+        # touched a parameter.
+        built = [self._batch(item) for item in plan]
+        batches = [batch for batch, _ in built]
+        for item, (batch, writebacks) in zip(plan, built):
             device = batch.params[0].device
             if device not in per_device:
                 per_device[device] = tuple(
@@ -491,6 +538,11 @@ class _PositiveNegativeMomentum(Optimizer):
         gi, grouping, grads = item.origin
         layouts = self._check_grads(grouping.batches, item.group["params"], grads, gi)
         if layouts is None:
+            self._drop_cached_batches()
+            return True
+        cached = self._cached_batch(item.group, item.backend, item.ids)
+        if cached is not None and not _backends.held_lists_ok(cached):
+            self._drop_cached_batches()  # a parameter was given new data; see _batch
             return True
         if layouts[0] is False:
             grouping.defer_check = False  # check in C++ first from now on

@@ -246,6 +246,95 @@ def test_parameter_storage_swapped_under_cached_lists(path, name):
     assert_states_close(opt, params, ref, ref_params)
 
 
+NEW_DATA = {  # what model.to(...) does to a parameter after its state exists
+    "channels_last": lambda p: p.data.contiguous(memory_format=torch.channels_last),
+    "bfloat16": lambda p: p.data.to(torch.bfloat16),
+}
+
+
+def _give_new_data_mid_run(name, path, change, groups, reload=False):
+    """Three steps, then the first parameter's data replaced (and with `reload` the state
+    converted by a load_state_dict round trip), then three more steps: on `path` and on the
+    reference. Returns both runs."""
+    opt, params, ref, ref_params = with_reference(name, path, [(4, 3, 2, 2), (5,), (6,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        if groups == 2:
+            o.param_groups[0]["params"] = ps[:2]
+            o.add_param_group(dict(params=ps[2:], weight_decay=0.1))
+        train(o, ps, 3)
+        ps[0].data = NEW_DATA[change](ps[0])
+        if reload:
+            o.load_state_dict(o.state_dict())
+        train(o, ps, 3, start=3)
+    return opt, params, ref, ref_params
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("change", sorted(NEW_DATA))
+@pytest.mark.parametrize("groups", [1, 2])
+@BOTH
+def test_state_follows_a_parameter_given_new_dtype_or_layout(path, name, change, groups):
+    """`p.data = ...` in another dtype or memory format after steps (model.to(bfloat16),
+    model.to(memory_format=torch.channels_last)): the state buffers are converted to the
+    parameter's dtype and layout, as load_state_dict converts state, and the steps go on as
+    the reference's, with one param group or with the change in one of two. (In bfloat16
+    the backends round differently, so there the yardstick is the same backend with the
+    state converted by a load_state_dict round trip.)"""
+    opt, params, ref, ref_params = _give_new_data_mid_run(name, path, change, groups)
+    p = params[0]
+    for key, buffer in opt.state[p].items():
+        if key != "step":
+            assert buffer.dtype == p.dtype and buffer.stride() == p.stride(), key
+    assert opt.state[p]["step"].item() == 6
+    if change == "bfloat16":
+        ref, ref_params = _give_new_data_mid_run(name, path, change, groups, reload=True)[:2]
+        assert_states_close(opt, params, ref, ref_params, rtol=0, atol=0)
+    else:
+        assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", ["triton"], indirect=True)
+@BOTH
+def test_state_follows_new_data_without_the_compiled_extension(path, name, monkeypatch):
+    """The same on a Triton-only install, whose check of the held lists is in Python: the
+    Triton kernels walk raw memory, so a buffer left in the old layout would be misread."""
+    monkeypatch.setattr(_backends, "extension_error", lambda: "not built, for the test")
+    monkeypatch.setattr(_backends, "first_mismatched_grad", None)
+    opt, params, ref, ref_params = _give_new_data_mid_run(name, path, "channels_last", 1)
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
+@BOTH
+def test_a_parameter_given_data_of_another_shape_raises_before_any_change(path, name):
+    """State cannot follow a new shape: the step raises, naming the parameter, before any
+    batch (here the float32 one ahead of it) has stepped."""
+    params = make_params([(5,), (3, 2)]) + make_params([(4,)], dtype=torch.bfloat16)
+    opt = OPTIMIZERS[name](params, backend=path)
+    train(opt, params, 3)
+    params[2].data = torch.zeros(9, dtype=torch.bfloat16, device=DEVICE)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"params'\]\[2\].*another shape"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+@BOTH
+def test_meta_parameters_step_like_torchs_optimizers(name):
+    """On the meta device (shapes without data) a step makes the state and counts."""
+    p = torch.nn.Parameter(torch.empty(3, 2, device="meta"))
+    p.grad = torch.empty(3, 2, device="meta")
+    opt = OPTIMIZERS[name]([p])
+    opt.step()
+    opt.step()
+    assert opt.state[p]["step"].device.type == "meta"
+    assert all(b.shape == p.shape for k, b in opt.state[p].items() if k != "step")
+
+
 @pytest.mark.parametrize("path", ["triton"], indirect=True)
 @BOTH
 def test_triton_backend_needs_no_compiled_extension(path, name, monkeypatch):
