@@ -187,8 +187,23 @@ class _PositiveNegativeMomentum(Optimizer):
         _normalise_loaded_state(self)
 
     def add_param_group(self, param_group: dict) -> None:
+        where = f"param_groups[{len(self.param_groups)}]"
         merged = {**self.defaults, **param_group}
-        _validate_group(merged, self._adaptive, f"param_groups[{len(self.param_groups)}]")
+        _validate_group(merged, self._adaptive, where)
+        params = param_group.get("params")
+        if not isinstance(params, (torch.Tensor, set, type(None))):
+            param_group["params"] = params = list(params)  # a generator can be read once
+            first = {}
+            for i, item in enumerate(params):
+                tensor = item[1] if isinstance(item, tuple) else item  # (name, tensor) too
+                if id(tensor) in first:
+                    # torch's optimizers warn that this will be an error; here the backends
+                    # would each do something else with it.
+                    raise ValueError(
+                        f"{where}['params'][{i}] is the same tensor as "
+                        f"{where}['params'][{first[id(tensor)]}]; a parameter may appear "
+                        "only once")
+                first[id(tensor)] = i
         super().add_param_group(param_group)
 
     def __setstate__(self, state):

@@ -455,6 +455,20 @@ def test_invalid_hyper_parameters_raise_naming_the_argument(name, kwargs, culpri
 
 
 @BOTH
+def test_a_parameter_listed_twice_raises_naming_both_places(name):
+    """torch's optimizers warn that a duplicate will become an error; the backends would each
+    step it differently (twice in turn, or twice at once), so here it is one already."""
+    a, b = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is the same "
+                                         r"tensor as param_groups\[0\]\['params'\]\[0\]"):
+        OPTIMIZERS[name](iter([a, b, a]))
+    opt = OPTIMIZERS[name]([b])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\]"):
+        opt.add_param_group({"params": [("a", a), ("a_again", a)]})
+    assert len(opt.param_groups) == 1
+
+
+@BOTH
 def test_negative_b0_is_legal(name):
     betas = (0.9, 0.999, -0.4) if name == "AdaPNM" else (0.9, -0.4)
     OPTIMIZERS[name]([torch.zeros(2, requires_grad=True)], betas=betas)
