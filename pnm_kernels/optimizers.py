@@ -183,6 +183,11 @@ class _PositiveNegativeMomentum(Optimizer):
         super().__init__(params, defaults)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # Checked before anything is replaced: a state_dict of another optimizer (AdamW's
+        # two betas) is refused here, not at the next step with the groups already loaded.
+        for gi, group in enumerate(state_dict.get("param_groups", [])):
+            _validate_group({**self.defaults, **group}, self._adaptive,
+                            f"state_dict['param_groups'][{gi}]")
         super().load_state_dict(state_dict)
         _normalise_loaded_state(self)
 

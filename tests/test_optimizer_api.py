@@ -392,6 +392,23 @@ def test_loads_a_checkpoint_in_the_authors_format(name):
         assert torch.equal(p, q)
 
 
+def test_loading_another_optimizers_state_dict_raises_before_changing_anything():
+    """AdamW's groups have two betas: the load is refused, naming the group and the
+    argument, and the optimizer goes on as it was."""
+    params = make_params([(4,)])
+    adamw = torch.optim.AdamW(params)
+    opt = AdaPNM(params, lr=0.05)
+    train(opt, params, 2)
+    adamw.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]: betas must be"):
+        opt.load_state_dict(adamw.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["betas"] == (0.9, 0.999, 1.0)
+    for key, value in opt.state[params[0]].items():
+        assert torch.equal(value, before["state"][0][key]), key
+    train(opt, params, 1, start=2)
+
+
 @BOTH
 def test_deepcopy_is_independent(name):
     params = make_params([(5,)])
