@@ -19,7 +19,7 @@ BACKENDS = ("auto", "fused", "triton", "foreach", "reference")
 @dataclass
 class _Grouping:
     """A param group's parameters with gradients, split by device and dtype."""
-    batches: list  # [(backend, parameter indices, plain tensors?)]
+    batches: list  # [(backend, parameter indices, plain tensors?, (device, dtype))]
     defer_check: bool = True  # False once the kernel refused a gradient's layout
 
 
@@ -270,7 +270,7 @@ class _PositiveNegativeMomentum(Optimizer):
             params = group["params"]
             layouts = None
             if cached:
-                backend, idx, plain = grouping.batches[0]
+                backend, idx, plain, _ = grouping.batches[0]
                 deferred = (defer and batch_count == 1 and grouping.defer_check and plain
                             and backend == "fused")
                 if deferred and self._cached_batch(group, backend, key[2]) is not None:
@@ -286,7 +286,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 if len(cache) > 64:
                     cache.clear()
                 cache[key] = grouping
-            for b, (backend, idx, _) in enumerate(grouping.batches):
+            for b, (backend, idx, _, _) in enumerate(grouping.batches):
                 batch_params, batch_grads = _pick(params, grads, idx)
                 ids = key[2] if len(grouping.batches) == 1 else tuple(map(id, batch_params))
                 plan.append(_PlanItem(group, backend, batch_params, batch_grads, ids,
@@ -295,8 +295,8 @@ class _PositiveNegativeMomentum(Optimizer):
 
     @staticmethod
     def _group_batches(group, gi, indices):
-        """[(backend, parameter indices, plain tensors?)] per (device, dtype); raises on the
-        first bad parameter or gradient, naming it."""
+        """[(backend, parameter indices, plain tensors?, (device, dtype))] per (device, dtype);
+        raises on the first bad parameter or gradient, naming it."""
         batches = {}
         for pi in indices:
             p = group["params"][pi]
@@ -319,7 +319,7 @@ class _PositiveNegativeMomentum(Optimizer):
             if group["backend"] == "auto" and backend == "fused" and plain[0]:
                 numel = sum(group["params"][pi].numel() for pi in idx)
                 backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel)
-            out.append((backend, idx, plain[0]))
+            out.append((backend, idx, plain[0], (device, dtype)))
         return out
 
     @staticmethod
@@ -330,7 +330,10 @@ class _PositiveNegativeMomentum(Optimizer):
         parameter: True, False, or None where unknown."""
         check = _backends.first_mismatched_grad
         layouts = []
-        for _, idx, plain in batches:
+        for _, idx, plain, (device, dtype) in batches:
+            first = params[idx[0]]
+            if first.device != device or first.dtype != dtype:  # model.to(...): all moved
+                return None
             if check is not None and plain:
                 bad = check([params[i] for i in idx], [grads[i] for i in idx], True)
                 if bad < 0:
@@ -339,7 +342,6 @@ class _PositiveNegativeMomentum(Optimizer):
                 rest, layout = idx[bad:], False  # the Python checks below say why
             else:
                 rest, layout = idx, None
-            first = params[idx[0]]
             for pi in rest:
                 p = params[pi]
                 _check_param(p, gi, pi)  # raises when the gradient is at fault

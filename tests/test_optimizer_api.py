@@ -293,6 +293,21 @@ def test_state_follows_a_parameter_given_new_dtype_or_layout(path, name, change,
         assert_states_close(opt, params, ref, ref_params)
 
 
+@BOTH
+def test_auto_picks_again_when_every_parameter_moves_to_another_dtype(name):
+    """model.double() mid-run: the fused kernels take no float64, so "auto" hands the
+    parameters to the foreach backend, their state following them to float64."""
+    opt, params, ref, ref_params = with_reference(name, "auto", [(5,), (3, 2)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        for p in ps:
+            p.data = p.data.double()
+        train(o, ps, 3, start=3)
+    assert all(buffer.dtype == torch.float64 for p in params
+               for key, buffer in opt.state[p].items() if key != "step")
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("path", ["triton"], indirect=True)
 @BOTH
 def test_state_follows_new_data_without_the_compiled_extension(path, name, monkeypatch):
