@@ -74,3 +74,27 @@ def test_grad_scaler_end_to_end_with_an_injected_inf(path, name):
         if it == 2:
             assert scaler.get_scale() < scale_before
     assert opt.state[model.weight]["step"].item() == 3
+
+
+@pytest.mark.parametrize("path", PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_unscale_then_clip_then_step_matches_training_without_scaling(path, name):
+    """The usual clipping recipe: scaler.unscale_(opt), clip_grad_norm_, scaler.step(opt).
+    The step then gets found_inf without grad_scale, and with a power-of-two scale the run is
+    bitwise the run without any scaling."""
+    runs = []
+    for enabled in (True, False):
+        torch.manual_seed(0)
+        model = torch.nn.Linear(8, 4).to(DEVICE)
+        opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, backend=path)
+        scaler = torch.amp.GradScaler(DEVICE, init_scale=256.0, enabled=enabled)
+        x = torch.randn(16, 8, device=DEVICE)
+        for _ in range(4):
+            opt.zero_grad()
+            scaler.scale(model(x).pow(2).mean()).backward()
+            scaler.unscale_(opt)
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            scaler.step(opt)
+            scaler.update()
+        runs.append((opt, list(model.parameters())))
+    assert_states_close(*runs[0], *runs[1], rtol=0, atol=0)
