@@ -162,7 +162,7 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 def _normalise_loaded_state(optimizer) -> None:
     """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
     another device becomes a float32 tensor on its parameter's device."""
-    optimizer._state_epoch = getattr(optimizer, "_state_epoch", 0) + 1  # drop cached batches
+    optimizer._drop_cached_batches()
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
@@ -559,13 +559,11 @@ class _PositiveNegativeMomentum(Optimizer):
         the careful path), returns True."""
         gi, grouping, grads = item.origin
         layouts = self._check_grads(grouping.batches, item.group["params"], grads, gi)
-        if layouts is None:
-            self._drop_cached_batches()
+        if layouts is None:  # the careful path regroups
             return True
         cached = self._cached_batch(item.group, item.backend, item.ids)
         if cached is not None and not _backends.held_lists_ok(cached):
-            self._drop_cached_batches()  # a parameter was given new data; see _batch
-            return True
+            return True  # a parameter was given new data: the careful path rebuilds (_batch)
         if layouts[0] is False:
             grouping.defer_check = False  # check in C++ first from now on
             return True
