@@ -7,6 +7,7 @@ Environment:
 Install with `pip install --no-build-isolation --use-pep517 [-e] .` so the build uses the
 installed torch (--use-pep517: see benchmarks/setup_env.sh).
 """
+import glob
 import os
 import shutil
 
@@ -53,6 +54,8 @@ def torch_libstdcxx():
 libstdcxx = torch_libstdcxx() or "-lstdc++"
 link_flags = ["-fopenmp", "-Wl,--push-state,--no-as-needed", libstdcxx, "-Wl,--pop-state"]
 sources = ["csrc/pnm_ops.cpp"]
+# Headers: rebuild when they change (MANIFEST.in puts them in the sdist).
+headers = sorted(glob.glob("csrc/*.h"))
 if with_cuda:
     sources.append("csrc/pnm_cuda.cu")
     extension = CUDAExtension(
@@ -64,10 +67,15 @@ if with_cuda:
             "nvcc": ["-O3", "--expt-relaxed-constexpr", "-lineinfo"],
         },
         extra_link_args=link_flags,
+        depends=headers,
     )
 else:
     extension = CppExtension(
-        "pnm_kernels._C", sources, extra_compile_args=cxx_flags, extra_link_args=link_flags
+        "pnm_kernels._C",
+        sources,
+        extra_compile_args=cxx_flags,
+        extra_link_args=link_flags,
+        depends=headers,
     )
 
 setup(

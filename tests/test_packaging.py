@@ -1,0 +1,31 @@
+"""The source distribution builds: it carries every file the extension's sources include."""
+import re
+import subprocess
+import sys
+import tarfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def sdist_names(tmp_path):
+    subprocess.run([sys.executable, "setup.py", "-q", "egg_info", "--egg-base", str(tmp_path),
+                    "sdist", "--dist-dir", str(tmp_path)],
+                   cwd=ROOT, check=True, capture_output=True,
+                   env={"PNM_KERNELS_NO_CUDA": "1", "PATH": "/usr/bin:/bin"})
+    (archive,) = tmp_path.glob("pnm_kernels-*.tar.gz")
+    with tarfile.open(archive) as tar:
+        return {name.split("/", 1)[1] for name in tar.getnames() if "/" in name}
+
+
+def test_sdist_holds_every_source_and_header_the_build_includes(tmp_path):
+    names = sdist_names(tmp_path)
+    assert "setup.py" in names and "README.md" in names
+    sources = sorted(ROOT.glob("csrc/*"))
+    assert sources
+    for path in sources:
+        assert f"csrc/{path.name}" in names, f"{path.name} is missing from the sdist"
+        for included in re.findall(r'^#include "([^"]+)"', path.read_text(), re.M):
+            assert f"csrc/{included}" in names, f"{path.name} includes {included}, not in the sdist"
+    for module in sorted(ROOT.glob("pnm_kernels/*.py")):
+        assert f"pnm_kernels/{module.name}" in names
