@@ -134,16 +134,14 @@ def step_lists(batch):
     return lists
 
 
-def _emulate_and_lr(hp, device):
-    """Whether the CUDA kernels' code runs emulated on these CPU tensors, and the lr as the
-    kernels take it (see split_lr)."""
-    return (device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1",
-            *split_lr(hp["lr"], device))
+def emulating(device) -> bool:
+    """Whether the CUDA kernels' code runs emulated on this device's (CPU) tensors."""
+    return device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
 
 
-def _held_step_args(adaptive, hp, device, grad_scale, found_inf):
+def _held_step_args(adaptive, hp, emulate, device, grad_scale, found_inf):
     """The arguments of a StepLists step after its gradients, as the C++ methods take them."""
-    emulate, lr, lr_tensor = _emulate_and_lr(hp, device)
+    lr, lr_tensor = split_lr(hp["lr"], device)
     if adaptive:
         return (emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"], hp["eps"],
                 hp["weight_decay"], hp["amsgrad"], hp["decoupled"], hp["maximize"], lr_tensor,
@@ -152,10 +150,11 @@ def _held_step_args(adaptive, hp, device, grad_scale, found_inf):
             hp["maximize"], lr_tensor, grad_scale, found_inf)
 
 
-def run_fused_own_grads(adaptive, lists, hp, device, grad_scale, found_inf) -> bool:
+def run_fused_own_grads(adaptive, lists, hp, emulate, device, grad_scale, found_inf) -> bool:
     """A fused step of a held batch (a StepLists) with its parameters' own gradients, read in
-    C++; False, having done nothing, when one is missing or laid out unlike its parameter."""
-    args = _held_step_args(adaptive, hp, device, grad_scale, found_inf)
+    C++; False, having done nothing, when one is missing or laid out unlike its parameter.
+    `emulate`: emulating(device), read once per step by the caller."""
+    args = _held_step_args(adaptive, hp, emulate, device, grad_scale, found_inf)
     return lists.adapnm_step_own_grads(*args) if adaptive else lists.pnm_step_own_grads(*args)
 
 
@@ -166,10 +165,11 @@ def run_fused(adaptive, batch, hp, grad_scale, found_inf):
         # once, and only the gradients cross over from Python. With thousands of small
         # tensors, converting the lists was most of a step's host time.
         lists = step_lists(batch)
-        args = _held_step_args(adaptive, hp, device, grad_scale, found_inf)
+        args = _held_step_args(adaptive, hp, emulating(device), device, grad_scale, found_inf)
         (lists.adapnm_step if adaptive else lists.pnm_step)(batch.grads, *args)
         return
-    emulate, lr, lr_tensor = _emulate_and_lr(hp, device)
+    emulate = emulating(device)
+    lr, lr_tensor = split_lr(hp["lr"], device)
     ops = torch.ops.pnm_kernels
     common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"], weight_decay=hp["weight_decay"],
                   decoupled=hp["decoupled"], maximize=hp["maximize"], lr_tensor=lr_tensor,

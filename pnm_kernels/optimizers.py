@@ -35,6 +35,17 @@ class _PlanItem:
     origin: Optional[tuple] = None  # (gi, grouping, the group's grads) when the kernel checks
 
 
+@dataclass
+class _HeldGroup:
+    """A param group as the last step ran it: one fused batch held in C++ (see _repeat_step)."""
+    group: dict
+    params: list
+    signature: tuple  # its hyper-parameters when last validated (see _signature)
+    lists: object  # the batch's pnm_kernels._C StepLists
+    device: torch.device
+    plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
+
+
 def _is_real_number(x) -> bool:
     return isinstance(x, numbers.Real) and not isinstance(x, bool)
 
@@ -491,14 +502,16 @@ class _PositiveNegativeMomentum(Optimizer):
             lists = batch.memo.get("step_lists") if batch.memo is not None else None
             if lists is None:
                 return
-            entries.append((group, list(group["params"]), self._validated[id(group)], lists,
-                            item.params[0].device))
+            entries.append(_HeldGroup(group, list(group["params"]), self._validated[id(group)],
+                                      lists, item.params[0].device,
+                                      (group["backend"], self._buffers_needed(group))))
         self._repeat = (self._state_version(), entries)
 
     def _repeat_step(self, grad_scale, found_inf):
         """The last step again, if it was remembered and nothing it depends on changed: the
-        same groups and parameters, hyper-parameters and state. The C++ lists read the
-        gradients themselves, so an eager step over thousands of tensors costs no Python
+        same groups and parameters, state, backends and buffers. Other hyper-parameters may
+        change (a scheduler's lr): they are validated here, as _plan would. The C++ lists read
+        the gradients themselves, so an eager step over thousands of tensors costs no Python
         loop. False, having done nothing, when it does not apply (a missing or unusually laid
         out gradient included, or a batch's kernel refusing its arguments)."""
         repeat = self.__dict__.get("_repeat")
@@ -508,20 +521,30 @@ class _PositiveNegativeMomentum(Optimizer):
         groups = self.param_groups
         if len(groups) != len(entries) or self._state_version() != version:
             return False
-        for group, (same, params, signature, _, _) in zip(groups, entries):
+        for gi, (group, held) in enumerate(zip(groups, entries)):
             current = group["params"]
-            if (group is not same or _signature(group) != signature
-                    or len(current) != len(params)
-                    or not all(map(operator.is_, current, params))):
+            if (group is not held.group or len(current) != len(held.params)
+                    or not all(map(operator.is_, current, held.params))):
                 return False
-        if len(entries) > 1 and not all(e[3].own_grads_ready() for e in entries):
+            signature = _signature(group)
+            if signature != held.signature:
+                _validate_group(group, self._adaptive, f"param_groups[{gi}]")
+                if (group["backend"], self._buffers_needed(group)) != held.plan_keys:
+                    return False
+                held.signature = self._validated[id(group)] = signature
+        if len(entries) > 1 and not all(held.lists.own_grads_ready() for held in entries):
             return False
-        for i, (group, _, _, lists, device) in enumerate(entries):
+        per_device = {}  # read once per step, not per group: host time is most of it here
+        for i, held in enumerate(entries):
+            extra = per_device.get(held.device)
+            if extra is None:
+                extra = per_device[held.device] = (
+                    _backends.emulating(held.device), held.device,
+                    *(None if t is None else t.to(held.device, non_blocking=True)
+                      for t in (grad_scale, found_inf)))
             try:
                 done = _backends.run_fused_own_grads(
-                    self._adaptive, lists, self._hyper(group), device,
-                    *(None if t is None else t.to(device, non_blocking=True)
-                      for t in (grad_scale, found_inf)))
+                    self._adaptive, held.lists, self._hyper(held.group), *extra)
             except RuntimeError:
                 if i == 0:  # refused before touching anything: the careful path says why
                     return False

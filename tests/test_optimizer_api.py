@@ -109,6 +109,58 @@ def test_lr_scheduler_and_tensor_lr(path, name):
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("lr", ["float", "tensor"])
+@BOTH
+def test_hyper_parameters_changed_between_any_two_steps_match_the_reference(path, name, lr):
+    """OneCycleLR changes lr and beta1 before every step, in two groups; weight_decay,
+    maximize, decoupled and amsgrad are edited on the way. Every step uses the values of its
+    moment, as the reference does, state buffers included."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,), (4,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        o.param_groups[0]["params"] = ps[:2]
+        o.add_param_group(dict(params=ps[2:], weight_decay=0.1))
+        if lr == "tensor":
+            for group in o.param_groups:
+                group["lr"] = torch.tensor(group["lr"])
+        sched = torch.optim.lr_scheduler.OneCycleLR(o, max_lr=0.05, total_steps=20)
+        for t in range(16):
+            if t == 4:
+                o.param_groups[1]["weight_decay"] = 0.3
+            if t == 7:
+                o.param_groups[0]["maximize"] = True
+            if t == 9:
+                o.param_groups[1]["decoupled"] = False
+            if t == 11 and name == "AdaPNM":
+                o.param_groups[0]["amsgrad"] = False
+            train(o, ps, 1, start=t)
+            sched.step()
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
+@BOTH
+def test_a_scheduled_lr_keeps_the_repeated_step(path, name, monkeypatch):
+    """The repeated fused step (no planning; see _repeat_step) survives a new lr or beta1
+    every step, as schedulers give: only a change of backend or of the buffers a group
+    needs (AMSGrad switched) makes the next step plan again."""
+    params = make_params([(50,), (3, 3), (7,), (4,)])
+    opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:], weight_decay=0.1)],
+                           lr=1e-2, backend=path)
+    sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)
+    plans = []
+    plan = opt._plan
+    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    for t in range(8):
+        train(opt, params, 1, start=t)
+        sched.step()
+    assert len(plans) == 1  # the first step only
+    if name == "AdaPNM":
+        opt.param_groups[1]["amsgrad"] = False
+        train(opt, params, 2, start=8)
+        assert len(plans) == 2
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_mixed_dtypes_complex_and_odd_layouts_in_one_group(path, name):
     """fp32/fp16/bf16, complex, transposed, channels_last, a strided slice, 0-dim, empty."""
