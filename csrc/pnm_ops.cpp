@@ -700,39 +700,51 @@ struct StepLists : torch::CustomClassHolder {
   }
 
   // A step with the held parameters' own gradients (read here, so none cross over from
-  // Python). Returns false, having done nothing, when a parameter has no gradient or one
-  // not dense and laid out like it: the optimizer then takes its careful path, which says
-  // what is wrong.
-  bool pnm_step_own_grads(bool emulate, double lr, double beta1, double beta0,
+  // Python), or with those take_own_grads() took for it (use_taken). Returns false, having
+  // done nothing, when a parameter has no gradient or one not dense and laid out like it:
+  // the optimizer then takes its careful path, which says what is wrong.
+  bool pnm_step_own_grads(bool use_taken, bool emulate, double lr, double beta1, double beta0,
                           double weight_decay, bool decoupled, bool maximize,
                           std::optional<at::Tensor> lr_tensor,
                           std::optional<at::Tensor> grad_scale,
                           std::optional<at::Tensor> found_inf) {
     std::vector<at::Tensor> grads;
-    if (!own_grads(grads)) return false;
+    if (!own_or_taken_grads(use_taken, grads)) return false;
     pnm_step(std::move(grads), emulate, lr, beta1, beta0, weight_decay, decoupled, maximize,
              std::move(lr_tensor), std::move(grad_scale), std::move(found_inf));
     return true;
   }
 
-  bool adapnm_step_own_grads(bool emulate, double lr, double beta1, double beta2, double beta0,
-                             double eps, double weight_decay, bool amsgrad, bool decoupled,
-                             bool maximize, std::optional<at::Tensor> lr_tensor,
+  bool adapnm_step_own_grads(bool use_taken, bool emulate, double lr, double beta1,
+                             double beta2, double beta0, double eps, double weight_decay,
+                             bool amsgrad, bool decoupled, bool maximize,
+                             std::optional<at::Tensor> lr_tensor,
                              std::optional<at::Tensor> grad_scale,
                              std::optional<at::Tensor> found_inf) {
     std::vector<at::Tensor> grads;
-    if (!own_grads(grads)) return false;
+    if (!own_or_taken_grads(use_taken, grads)) return false;
     adapnm_step(std::move(grads), emulate, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
                 decoupled, maximize, std::move(lr_tensor), std::move(grad_scale),
                 std::move(found_inf));
     return true;
   }
 
-  // Whether a step with the held parameters' own gradients would go ahead (see
-  // pnm_step_own_grads): a step over several batches checks them all first.
-  bool own_grads_ready() const {
+  // A step over several batches first takes every batch's gradients, so that none steps
+  // unless all can (a gradient missing or laid out unlike its parameter, or a parameter
+  // given new data: see held_lists_ok); each batch's step then uses what it took, and the
+  // gradients are read once. False, holding nothing, when this batch cannot step.
+  bool take_own_grads() {
+    drop_taken_grads();
     std::vector<at::Tensor> grads;
-    return own_grads(grads) && held_lists_ok();
+    if (!own_grads(grads) || !held_lists_ok()) return false;
+    taken_grads = std::move(grads);
+    has_taken_grads = true;
+    return true;
+  }
+
+  void drop_taken_grads() {
+    taken_grads.clear();
+    has_taken_grads = false;
   }
 
   // Whether the held parameters still fit their state (dtype, device, shape, layout). A
@@ -784,6 +796,17 @@ struct StepLists : torch::CustomClassHolder {
   }
 
  private:
+  std::vector<at::Tensor> taken_grads;  // see take_own_grads
+  bool has_taken_grads = false;
+
+  bool own_or_taken_grads(bool use_taken, std::vector<at::Tensor>& grads) {
+    if (!use_taken) return own_grads(grads);
+    TORCH_CHECK(has_taken_grads, "pnm_kernels: StepLists: no gradients taken for this step");
+    grads = std::move(taken_grads);
+    drop_taken_grads();
+    return true;
+  }
+
   bool own_grads(std::vector<at::Tensor>& grads) const {
     grads.reserve(params.size());
     for (const at::Tensor& p : params) {
@@ -842,7 +865,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("pointers", &pnm::StepLists::pointers)
       .def("pnm_step_own_grads", &pnm::StepLists::pnm_step_own_grads)
       .def("adapnm_step_own_grads", &pnm::StepLists::adapnm_step_own_grads)
-      .def("own_grads_ready", &pnm::StepLists::own_grads_ready)
+      .def("take_own_grads", &pnm::StepLists::take_own_grads)
+      .def("drop_taken_grads", &pnm::StepLists::drop_taken_grads)
       .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
       .def("bump_versions", &pnm::StepLists::bump_versions);
 }

@@ -150,12 +150,15 @@ def _held_step_args(adaptive, hp, emulate, device, grad_scale, found_inf):
             hp["maximize"], lr_tensor, grad_scale, found_inf)
 
 
-def run_fused_own_grads(adaptive, lists, hp, emulate, device, grad_scale, found_inf) -> bool:
+def run_fused_own_grads(adaptive, lists, hp, use_taken, emulate, device, grad_scale,
+                        found_inf) -> bool:
     """A fused step of a held batch (a StepLists) with its parameters' own gradients, read in
-    C++; False, having done nothing, when one is missing or laid out unlike its parameter.
-    `emulate`: emulating(device), read once per step by the caller."""
+    C++ (or, with use_taken, those its take_own_grads() took); False, having done nothing,
+    when one is missing or laid out unlike its parameter. `emulate`: emulating(device), read
+    once per step by the caller."""
     args = _held_step_args(adaptive, hp, emulate, device, grad_scale, found_inf)
-    return lists.adapnm_step_own_grads(*args) if adaptive else lists.pnm_step_own_grads(*args)
+    step = lists.adapnm_step_own_grads if adaptive else lists.pnm_step_own_grads
+    return step(use_taken, *args)
 
 
 def run_fused(adaptive, batch, hp, grad_scale, found_inf):

@@ -399,7 +399,10 @@ class _PositiveNegativeMomentum(Optimizer):
             if len(cache) > 64:
                 cache.clear()
             batch.memo = {}
-            cache[self._batch_key(group, backend, item.ids)] = (self._state_version(), batch)
+            # Cached without this step's gradients: holding them would keep a whole set of
+            # gradients alive after zero_grad() (a model's worth of GPU memory).
+            held = Batch(batch.params, [], batch.buffers, batch.steps, batch.memo)
+            cache[self._batch_key(group, backend, item.ids)] = (self._state_version(), held)
         return batch, writebacks
 
     def _state_version(self):
@@ -532,7 +535,9 @@ class _PositiveNegativeMomentum(Optimizer):
                 if (group["backend"], self._buffers_needed(group)) != held.plan_keys:
                     return False
                 held.signature = self._validated[id(group)] = signature
-        if len(entries) > 1 and not all(held.lists.own_grads_ready() for held in entries):
+        several = len(entries) > 1
+        if several and not all(held.lists.take_own_grads() for held in entries):
+            self._drop_taken_grads(entries)
             return False
         per_device = {}  # read once per step, not per group: host time is most of it here
         for i, held in enumerate(entries):
@@ -544,16 +549,21 @@ class _PositiveNegativeMomentum(Optimizer):
                       for t in (grad_scale, found_inf)))
             try:
                 done = _backends.run_fused_own_grads(
-                    self._adaptive, held.lists, self._hyper(held.group), *extra)
+                    self._adaptive, held.lists, self._hyper(held.group), several, *extra)
             except RuntimeError:
+                self._drop_taken_grads(entries)
                 if i == 0:  # refused before touching anything: the careful path says why
                     return False
                 raise  # a later batch refused after earlier ones stepped, as in _run
-            if not done:
-                if i == 0:
-                    return False
-                raise RuntimeError("pnm_kernels: gradients changed during a step")
+            if not done:  # only without `several`, so in the first and only group
+                return False
         return True
+
+    @staticmethod
+    def _drop_taken_grads(entries):
+        """The gradients take_own_grads() took and no step used: not kept until the next."""
+        for held in entries:
+            held.lists.drop_taken_grads()
 
     def _run(self, plan, grad_scale, found_inf):
         """Runs every item of the plan; returns the batches it ran."""

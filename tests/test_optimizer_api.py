@@ -1,9 +1,11 @@
 """PNM and AdaPNM behave like torch's own optimizers in everything a user relies on."""
 import copy
+import gc
 import math
 
 import pytest
 import torch
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
                       grads_for_step, make_params, train, with_reference)
@@ -106,6 +108,32 @@ def test_lr_scheduler_and_tensor_lr(path, name):
             s.step()
     assert_states_close(opt, params, ref, ref_params)
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.5**3)
+
+
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@BOTH
+def test_the_optimizer_keeps_no_gradient_alive(path, name):
+    """After zero_grad() (set_to_none) no gradient of any step is kept alive by the optimizer:
+    not the first step's (which built the cached lists), not a later one's, and not those a
+    repeated step over several groups took before finding one group unable to step (a
+    gradient missing, at steps 2 and 4: from step 3 the first group's lists are the cached
+    ones, so they outlive step 4). Holding a set would cost a model's worth of (GPU) memory."""
+    params = make_params([(50,), (3, 3), (7,), (4,)])
+    opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:], lr=3e-3)],
+                           backend=path)
+    seen = []
+    for t in range(5):
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g
+        if t in (2, 4):
+            params[3].grad = None  # the repeated step cannot go ahead; the careful one does
+        # The memory, not the Python object: C++ may hold a tensor whose wrapper was freed.
+        seen += [StorageWeakRef(p.grad.untyped_storage()) for p in params if p.grad is not None]
+        opt.step()
+        opt.zero_grad()
+    assert [opt.state[p]["step"].item() for p in params] == [5, 5, 5, 3]
+    gc.collect()
+    assert [i for i, ref in enumerate(seen) if not ref.expired()] == []
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
