@@ -396,27 +396,38 @@ class _PositiveNegativeMomentum(Optimizer):
             _is_plain(p) and not p.is_complex() and p.is_contiguous() for p in params)
         if simple and backend in _backends.FLAT_BACKENDS:
             cache = self.__dict__.setdefault("_batch_cache", {})
+            version = self._state_version()
+            for key in [k for k, (v, _) in cache.items() if v != version]:
+                del cache[key]  # stale: holds tensors the state may have replaced
             if len(cache) > 64:
                 cache.clear()
             batch.memo = {}
             # Cached without this step's gradients: holding them would keep a whole set of
             # gradients alive after zero_grad() (a model's worth of GPU memory).
             held = Batch(batch.params, [], batch.buffers, batch.steps, batch.memo)
-            cache[self._batch_key(group, backend, item.ids)] = (self._state_version(), held)
+            cache[self._batch_key(group, backend, item.ids)] = (version, held)
         return batch, writebacks
 
     def _state_version(self):
-        """Changes whenever state entries may have been created or replaced."""
-        return (self.__dict__.get("_state_epoch", 0), len(self.state))
+        """Changes whenever state entries may have been replaced, or created or deleted by
+        anyone but _build_batch (whose new entries leave the lists built before valid)."""
+        return (self.__dict__.get("_state_epoch", 0),
+                len(self.state) - self.__dict__.get("_states_made", 0))
 
     def _drop_cached_batches(self):
+        """Forgets every cached list, letting go of the tensors they hold (a whole replaced
+        state after load_state_dict)."""
         self._state_epoch = self.__dict__.get("_state_epoch", 0) + 1
+        self.__dict__.pop("_batch_cache", None)
+        self.__dict__.pop("_repeat", None)
 
     def _build_batch(self, group, backend, params, names):
         flat = backend in _backends.FLAT_BACKENDS
         batch = Batch(buffers=[[] for _ in names])
         writebacks = []
         for p in params:
+            if p not in self.state:
+                self._states_made = self.__dict__.get("_states_made", 0) + 1
             state = self.state[p]
             if "step" not in state:  # loaded steps were made tensors by load_state_dict
                 state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)

@@ -136,6 +136,35 @@ def test_the_optimizer_keeps_no_gradient_alive(path, name):
     assert [i for i, ref in enumerate(seen) if not ref.expired()] == []
 
 
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("how", ["load_state_dict", "new dtype", "del state"])
+@BOTH
+def test_state_the_optimizer_let_go_of_is_freed(path, name, how):
+    """State replaced after some steps, by load_state_dict, by following parameters given a
+    new dtype (the step counters stay), or by `del opt.state[p]`, is freed once the next step
+    has run: no cached list keeps the old buffers (a second optimizer state's worth of
+    memory) alive."""
+    params = make_params([(50,), (3, 3), (7,), (4,)])
+    opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:], lr=3e-3)],
+                           backend=path)
+    train(opt, params, 3)
+    old = [StorageWeakRef(t.untyped_storage()) for state in opt.state.values()
+           for key, t in state.items() if not (how == "new dtype" and key == "step")]
+    if how == "load_state_dict":
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif how == "new dtype":
+        for p in params:
+            p.data = p.data.to(torch.bfloat16)
+    else:
+        for p in params:
+            del opt.state[p]
+    train(opt, params, 1, start=3)
+    gc.collect()
+    assert [i for i, ref in enumerate(old) if not ref.expired()] == []
+    steps = 1 if how == "del state" else 4
+    assert [opt.state[p]["step"].item() for p in params] == [steps] * 4
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @pytest.mark.parametrize("lr", ["float", "tensor"])
 @BOTH
