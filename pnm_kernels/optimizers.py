@@ -229,12 +229,15 @@ class _PositiveNegativeMomentum(Optimizer):
                 group.setdefault(key, value)
 
     def _hyper(self, group) -> dict:
-        betas = group["betas"]
-        hp = dict(lr=group["lr"], beta1=betas[0], beta0=betas[-1],
-                  weight_decay=group["weight_decay"], decoupled=group["decoupled"],
-                  maximize=group["maximize"])
+        """A validated group's hyper-parameters as every backend takes them: Python floats
+        (a numpy scalar reached the Triton kernels as a type they refuse, and the reference
+        computed in its precision); a tensor lr stays a tensor."""
+        betas, lr = group["betas"], group["lr"]
+        hp = dict(lr=lr if isinstance(lr, torch.Tensor) else float(lr), beta1=float(betas[0]),
+                  beta0=float(betas[-1]), weight_decay=float(group["weight_decay"]),
+                  decoupled=group["decoupled"], maximize=group["maximize"])
         if self._adaptive:
-            hp.update(beta2=betas[1], eps=group["eps"], amsgrad=group["amsgrad"])
+            hp.update(beta2=float(betas[1]), eps=float(group["eps"]), amsgrad=group["amsgrad"])
         return hp
 
     def _buffers_needed(self, group):

@@ -93,6 +93,26 @@ def test_params_without_grad_get_no_state_and_keep_their_parity(name):
     assert opt.state[a]["step"].item() == 2 and opt.state[b]["step"].item() == 1
 
 
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@BOTH
+def test_numpy_scalar_hyper_parameters_act_as_python_numbers(path, name):
+    """lr, betas, eps and weight_decay given as numpy scalars (a numpy-computed schedule, a
+    config) step exactly as the same Python numbers do, on every path."""
+    np = pytest.importorskip("numpy")
+    runs = []
+    for num in (lambda x: float(np.float32(x)), np.float32):  # the same values
+        params = make_params([(50,), (3, 3)])
+        kw = dict(lr=num(0.01), weight_decay=num(0.1))
+        kw["betas"] = (num(0.9), num(0.999), num(1.0)) if name == "AdaPNM" else (num(0.9), num(1.0))
+        if name == "AdaPNM":
+            kw["eps"] = num(1e-6)
+        opt = OPTIMIZERS[name](params, backend=path, **kw)
+        train(opt, params, 3)
+        runs.append((opt, params))
+    for a, b in zip(runs[0][1], runs[1][1]):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_lr_scheduler_and_tensor_lr(path, name):
