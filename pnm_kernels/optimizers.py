@@ -4,6 +4,7 @@ import itertools
 import math
 import numbers
 import operator
+import sys
 from dataclasses import dataclass
 from typing import Optional
 
@@ -152,12 +153,6 @@ def _state_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
     return buffer.stride() == torch.empty_like(p, device="meta").stride()
 
 
-try:
-    from torch.distributed.tensor import DTensor as _DTensor
-except ImportError:  # torch built without distributed
-    _DTensor = None
-
-
 def _signature(group: dict) -> tuple:
     """A param group's hyper-parameters as they are now (a tensor by identity and version).
     Eager only: _plan writes it out (see there)."""
@@ -166,8 +161,13 @@ def _signature(group: dict) -> tuple:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place."""
-    return t._local_tensor if _DTensor is not None and isinstance(t, _DTensor) else t
+    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place.
+    DTensor is looked up, not imported: importing torch.distributed.tensor costs ~0.3 s,
+    and a program with DTensors has imported it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t._local_tensor
+    return t
 
 
 def _normalise_loaded_state(optimizer) -> None:

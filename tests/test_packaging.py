@@ -29,3 +29,12 @@ def test_sdist_holds_every_source_and_header_the_build_includes(tmp_path):
             assert f"csrc/{included}" in names, f"{path.name} includes {included}, not in the sdist"
     for module in sorted(ROOT.glob("pnm_kernels/*.py")):
         assert f"pnm_kernels/{module.name}" in names
+
+
+def test_import_does_not_pull_in_torch_distributed_tensor():
+    """`import pnm_kernels` stays cheap: DTensor support does not import
+    torch.distributed.tensor (~0.3 s); a program with DTensors has imported it already."""
+    code = "import sys, pnm_kernels; print('torch.distributed.tensor' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         check=True, cwd=ROOT)
+    assert out.stdout.strip() == "False"
