@@ -66,7 +66,9 @@ def _validate_group(group: dict, adaptive: bool, where: str) -> None:
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
                              f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
-        if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
+        # A device lr is not read back (that would synchronise), nor a traced one (a graph
+        # break).
+        if lr.device.type == "cpu" and not torch.compiler.is_compiling():
             _check_real(where, "lr", float(lr), low=0.0)
     else:
         _check_real(where, "lr", lr, low=0.0)
@@ -170,6 +172,40 @@ def _local(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def _kernel_views(p, grad, bufs):
+    """A parameter, its gradient and state buffers as the kernels see them: a DTensor's
+    local shard, complex as real views."""
+    param, grad, bufs = _local(p), _local(grad), [_local(b) for b in bufs]
+    if p.is_complex():
+        param, grad = torch.view_as_real(param), torch.view_as_real(grad)
+        bufs = [torch.view_as_real(b) for b in bufs]
+    return param, grad, bufs
+
+
+def _dense_copies(param, grad, buffer, flat):
+    """Whether a flat backend (its kernels walk raw memory) needs the parameter and the
+    gradient (as _kernel_views gives them) copied into the buffers' dense layout."""
+    if not flat or (param.is_contiguous() and grad.is_contiguous() and buffer.is_contiguous()):
+        return False, False
+    return not _same_dense_layout(param, buffer), not _same_dense_layout(grad, buffer)
+
+
+def _kernel_tensors(p, grad, bufs, flat, copies=None):
+    """What the kernels take for one parameter (see _kernel_views and _dense_copies; under
+    torch.compile `copies` was decided untraced). Returns (param, grad, buffers, the
+    (param, dense copy) pair to write back after the step, or None)."""
+    param, grad, bufs = _kernel_views(p, grad, bufs)
+    copy_param, copy_grad = copies or _dense_copies(param, grad, bufs[0], flat)
+    writeback = None
+    if copy_param:
+        dense = torch.empty_like(bufs[0]).copy_(param)
+        writeback = (param, dense)
+        param = dense
+    if copy_grad:
+        grad = torch.empty_like(bufs[0]).copy_(grad)
+    return param, grad, bufs, writeback
+
+
 def _normalise_loaded_state(optimizer) -> None:
     """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
     another device becomes a float32 tensor on its parameter's device."""
@@ -256,11 +292,16 @@ class _PositiveNegativeMomentum(Optimizer):
         cache = self.__dict__.setdefault("_plan_cache", {})
         validated = self.__dict__.setdefault("_validated", {})
         found = []  # (gi, group, key, grouping, from the cache?, grads, indices)
+        compiling = torch.compiler.is_compiling()
         for gi, group in enumerate(self.param_groups):
             # Re-validate only when a hyper-parameter changed (a scheduler, a user's edit).
             # _signature(group), written out: torch.compile traces this, and through the
             # call it saw a tensor lr as changed (a graph break, its .item() in validation).
-            signature = tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
+            # Traced, a tensor counts by identity alone: its version, which a scheduler's
+            # fill_ bumps, would be guarded on and recompile every step, and its value cannot
+            # be read there anyway.
+            signature = tuple((id(v), None if compiling else v._version)
+                              if isinstance(v, torch.Tensor) else v
                               for k, v in group.items() if k != "params")
             if validated.get(id(group)) != signature:
                 _validate_group(group, self._adaptive, f"param_groups[{gi}]")
@@ -429,38 +470,34 @@ class _PositiveNegativeMomentum(Optimizer):
         batch = Batch(buffers=[[] for _ in names])
         writebacks = []
         for p in params:
-            if p not in self.state:
-                self._states_made = self.__dict__.get("_states_made", 0) + 1
-            state = self.state[p]
-            if "step" not in state:  # loaded steps were made tensors by load_state_dict
-                state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-            elif state["step"].device != p.device:
-                state["step"] = state["step"].to(p.device)
-            for name in names:
-                if name not in state:  # e.g. amsgrad switched on mid-run
-                    state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                elif not _state_fits(state[name], p):
-                    state[name] = self._follow(p, name, state[name], group)
-            param, grad = _local(p), _local(p.grad)
-            bufs = [_local(state[name]) for name in names]
-            if p.is_complex():
-                param, grad = torch.view_as_real(param), torch.view_as_real(grad)
-                bufs = [torch.view_as_real(b) for b in bufs]
-            if flat and not (param.is_contiguous() and grad.is_contiguous()
-                             and bufs[0].is_contiguous()):
-                # The kernels walk raw memory: every tensor needs the buffers' dense layout.
-                if not _same_dense_layout(param, bufs[0]):
-                    dense = torch.empty_like(bufs[0]).copy_(param)
-                    writebacks.append((param, dense))
-                    param = dense
-                if not _same_dense_layout(grad, bufs[0]):
-                    grad = torch.empty_like(bufs[0]).copy_(grad)
+            state = self._state_for(p, names, group)
+            param, grad, bufs, writeback = _kernel_tensors(
+                p, p.grad, [state[name] for name in names], flat)
+            if writeback is not None:
+                writebacks.append(writeback)
             batch.params.append(param)
             batch.grads.append(grad)
             for lst, b in zip(batch.buffers, bufs):
                 lst.append(b)
             batch.steps.append(state["step"])
         return batch, writebacks
+
+    def _state_for(self, p, names, group):
+        """p's state with these buffers: made where missing, and converted where p was given
+        new data since (see _follow)."""
+        if p not in self.state:
+            self._states_made = self.__dict__.get("_states_made", 0) + 1
+        state = self.state[p]
+        if "step" not in state:  # loaded steps were made tensors by load_state_dict
+            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
+        elif state["step"].device != p.device:
+            state["step"] = state["step"].to(p.device)
+        for name in names:
+            if name not in state:  # e.g. amsgrad switched on mid-run
+                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            elif not _state_fits(state[name], p):
+                state[name] = self._follow(p, name, state[name], group)
+        return state
 
     def _follow(self, p, name, buffer, group):
         """A state buffer converted to its parameter's dtype, device and layout, as
@@ -487,6 +524,9 @@ class _PositiveNegativeMomentum(Optimizer):
                 loss = closure()
         grad_scale = getattr(self, "grad_scale", None)
         found_inf = getattr(self, "found_inf", None)
+        if torch.compiler.is_compiling():
+            self._traced_step(grad_scale, found_inf)
+            return loss
         if self._repeat_step(grad_scale, found_inf):
             return loss
         self.__dict__.pop("_repeat", None)  # remembered again only after a step like it
@@ -503,6 +543,77 @@ class _PositiveNegativeMomentum(Optimizer):
             plan = self._plan(defer=False)
         self._remember_step(plan, self._run(plan, grad_scale, found_inf))
         return loss
+
+    def _traced_step(self, grad_scale, found_inf):
+        """The step as torch.compile traces it. Each group's tensors come from _init_group,
+        which dynamo runs untraced, as it runs torch's optimizers' own; it then knows each
+        tensor by its place in param_groups or state and guards on them as for torch's
+        optimizers. (Traced, _plan reached them through the state dict's keys: a gradient
+        was guarded by identity, and every step with new gradients recompiled.)"""
+        for group in self.param_groups:
+            params, grads, buffer0, buffer1, buffer2, buffer3, steps = [], [], [], [], [], [], []
+            batches = self._init_group(group, params, grads, buffer0, buffer1, buffer2,
+                                       buffer3, steps)
+            buffers = [buffer0, buffer1, buffer2, buffer3][:len(self._buffers_needed(group))]
+            hp = self._hyper(group)
+            start = 0
+            for backend, count, copies in batches:
+                end = start + count
+                device = params[start].device
+                if not isinstance(hp["lr"], torch.Tensor):
+                    # A float lr is a graph input, as for torch's optimizers, but an op's float
+                    # argument would be specialised on, recompiling for every new lr: it
+                    # enters the kernels as a tensor on their device.
+                    # (A product: torch.full's fill value would be specialised on too.)
+                    hp = dict(hp, lr=torch.ones((), dtype=torch.float32, device=device)
+                              * hp["lr"])
+                batch = Batch(buffers=[[] for _ in buffers])
+                writebacks = []
+                for i in range(start, end):
+                    param, grad, bufs, writeback = _kernel_tensors(
+                        params[i], grads[i], [b[i] for b in buffers],
+                        backend in _backends.FLAT_BACKENDS, copies[i - start])
+                    if writeback is not None:
+                        writebacks.append(writeback)
+                    batch.params.append(param)
+                    batch.grads.append(grad)
+                    for lst, b in zip(batch.buffers, bufs):
+                        lst.append(b)
+                    batch.steps.append(steps[i])
+                _backends.RUNNERS[backend](
+                    self._adaptive, batch, hp,
+                    *(None if t is None else t.to(device) for t in (grad_scale, found_inf)))
+                for param, dense in writebacks:
+                    param.copy_(dense)
+                start = end
+
+    def _init_group(self, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps):
+        """For torch.compile (see _traced_step), which runs this untraced: validates the
+        group, checks its gradients, makes missing state, and fills the lists with the
+        parameters that have a gradient, their gradients, state buffers and step counters,
+        batch after batch. Returns each batch's (backend, number of parameters, each one's
+        _dense_copies): decided here, from layouts the compiled step guards on."""
+        gi = next(i for i, g in enumerate(self.param_groups) if g is group)
+        _validate_group(group, self._adaptive, f"param_groups[{gi}]")
+        indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
+        names = self._buffers_needed(group)
+        out = []
+        for backend, idx, _, _ in self._group_batches(group, gi, indices):
+            copies = []
+            for pi in idx:
+                p = group["params"][pi]
+                state = self._state_for(p, names, group)
+                params.append(p)
+                grads.append(p.grad)
+                bufs = [state[name] for name in names]
+                for lst, buf in zip((buffer0, buffer1, buffer2, buffer3), bufs):
+                    lst.append(buf)
+                steps.append(state["step"])
+                param, grad, bufs = _kernel_views(p, p.grad, bufs)
+                copies.append(_dense_copies(param, grad, bufs[0],
+                                            backend in _backends.FLAT_BACKENDS))
+            out.append((backend, len(idx), tuple(copies)))
+        return tuple(out)
 
     def _remember_step(self, plan, batches):
         """After a step (these plan items, run as these batches) in which every param group
