@@ -189,6 +189,13 @@ def run_fused(adaptive, batch, hp, grad_scale, found_inf):
 
 
 def run_triton(adaptive, batch, hp, grad_scale, found_inf):
+    if torch.compiler.is_compiling():
+        # Dynamo cannot trace the Triton step (its kernels read pointer tables): under
+        # torch.compile the same maths over the same state runs traced, in the fused
+        # kernels, or in foreach ops without the extension (a Triton-only install).
+        param = batch.params[0]
+        fused = fused_unavailable_reason(param.device, param.dtype) is None
+        return (run_fused if fused else run_foreach)(adaptive, batch, hp, grad_scale, found_inf)
     from . import triton_kernels
 
     triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)

@@ -560,19 +560,20 @@ class _PositiveNegativeMomentum(Optimizer):
             for backend, count, copies in batches:
                 end = start + count
                 device = params[start].device
-                if not isinstance(hp["lr"], torch.Tensor):
+                flat = backend in _backends.FLAT_BACKENDS
+                batch_hp = hp
+                if flat and not isinstance(hp["lr"], torch.Tensor):
                     # A float lr is a graph input, as for torch's optimizers, but an op's float
                     # argument would be specialised on, recompiling for every new lr: it
                     # enters the kernels as a tensor on their device.
                     # (A product: torch.full's fill value would be specialised on too.)
-                    hp = dict(hp, lr=torch.ones((), dtype=torch.float32, device=device)
-                              * hp["lr"])
+                    batch_hp = dict(hp, lr=torch.ones((), dtype=torch.float32, device=device)
+                                    * hp["lr"])
                 batch = Batch(buffers=[[] for _ in buffers])
                 writebacks = []
                 for i in range(start, end):
                     param, grad, bufs, writeback = _kernel_tensors(
-                        params[i], grads[i], [b[i] for b in buffers],
-                        backend in _backends.FLAT_BACKENDS, copies[i - start])
+                        params[i], grads[i], [b[i] for b in buffers], flat, copies[i - start])
                     if writeback is not None:
                         writebacks.append(writeback)
                     batch.params.append(param)
@@ -581,7 +582,7 @@ class _PositiveNegativeMomentum(Optimizer):
                         lst.append(b)
                     batch.steps.append(steps[i])
                 _backends.RUNNERS[backend](
-                    self._adaptive, batch, hp,
+                    self._adaptive, batch, batch_hp,
                     *(None if t is None else t.to(device) for t in (grad_scale, found_inf)))
                 for param, dense in writebacks:
                     param.copy_(dense)
@@ -592,7 +593,8 @@ class _PositiveNegativeMomentum(Optimizer):
         group, checks its gradients, makes missing state, and fills the lists with the
         parameters that have a gradient, their gradients, state buffers and step counters,
         batch after batch. Returns each batch's (backend, number of parameters, each one's
-        _dense_copies): decided here, from layouts the compiled step guards on."""
+        _dense_copies): decided here, from the layouts when traced. (Dynamo guards the
+        parameters, not the gradients; the kernel refuses a gradient laid out otherwise.)"""
         gi = next(i for i, g in enumerate(self.param_groups) if g is group)
         _validate_group(group, self._adaptive, f"param_groups[{gi}]")
         indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
