@@ -66,9 +66,7 @@ def _validate_group(group: dict, adaptive: bool, where: str) -> None:
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
                              f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
-        # A device lr is not read back (that would synchronise), nor a traced one (a graph
-        # break).
-        if lr.device.type == "cpu" and not torch.compiler.is_compiling():
+        if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
             _check_real(where, "lr", float(lr), low=0.0)
     else:
         _check_real(where, "lr", lr, low=0.0)
@@ -156,8 +154,7 @@ def _state_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
 
 
 def _signature(group: dict) -> tuple:
-    """A param group's hyper-parameters as they are now (a tensor by identity and version).
-    Eager only: _plan writes it out (see there)."""
+    """A param group's hyper-parameters as they are now (a tensor by identity and version)."""
     return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
                  for k, v in group.items() if k != "params")
 
@@ -288,21 +285,14 @@ class _PositiveNegativeMomentum(Optimizer):
         while the same parameters have gradients; the gradients are still checked every step
         (in C++ where the extension is built). One check is deferred: when the whole step is
         one cached batch for the fused kernels, their own argument checks, which run before
-        anything is touched, stand in for it, and step() looks closer if they refuse."""
+        anything is touched, stand in for it, and step() looks closer if they refuse.
+        Eager only: torch.compile traces _traced_step."""
         cache = self.__dict__.setdefault("_plan_cache", {})
         validated = self.__dict__.setdefault("_validated", {})
         found = []  # (gi, group, key, grouping, from the cache?, grads, indices)
-        compiling = torch.compiler.is_compiling()
         for gi, group in enumerate(self.param_groups):
             # Re-validate only when a hyper-parameter changed (a scheduler, a user's edit).
-            # _signature(group), written out: torch.compile traces this, and through the
-            # call it saw a tensor lr as changed (a graph break, its .item() in validation).
-            # Traced, a tensor counts by identity alone: its version, which a scheduler's
-            # fill_ bumps, would be guarded on and recompile every step, and its value cannot
-            # be read there anyway.
-            signature = tuple((id(v), None if compiling else v._version)
-                              if isinstance(v, torch.Tensor) else v
-                              for k, v in group.items() if k != "params")
+            signature = _signature(group)
             if validated.get(id(group)) != signature:
                 _validate_group(group, self._adaptive, f"param_groups[{gi}]")
                 validated[id(group)] = signature
@@ -420,7 +410,7 @@ class _PositiveNegativeMomentum(Optimizer):
         are new each step."""
         group, backend, params = item.group, item.backend, item.params
         cached = self._cached_batch(group, backend, item.ids)
-        if (cached is not None and item.origin is None and not torch.compiler.is_compiling()
+        if (cached is not None and item.origin is None
                 and not _backends.held_lists_ok(cached)):
             # A parameter was given new data (p.data = ...) of another dtype, shape or
             # layout: rebuild, its state following it. (On the deferred path the kernel's
@@ -645,7 +635,7 @@ class _PositiveNegativeMomentum(Optimizer):
         loop. False, having done nothing, when it does not apply (a missing or unusually laid
         out gradient included, or a batch's kernel refusing its arguments)."""
         repeat = self.__dict__.get("_repeat")
-        if repeat is None or torch.compiler.is_compiling():
+        if repeat is None:
             return False
         version, entries = repeat
         groups = self.param_groups
