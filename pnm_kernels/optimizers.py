@@ -203,6 +203,24 @@ def _kernel_tensors(p, grad, bufs, flat, copies=None):
     return param, grad, bufs, writeback
 
 
+def _kernel_batch(params, grads, buffers, steps, flat, copies=None):
+    """The kernels' Batch for these parameters (`buffers`: a list per state buffer, `copies`:
+    see _kernel_tensors), and the (param, dense copy) pairs to write back after the step."""
+    batch = Batch(buffers=[[] for _ in buffers])
+    writebacks = []
+    for i, p in enumerate(params):
+        param, grad, bufs, writeback = _kernel_tensors(
+            p, grads[i], [b[i] for b in buffers], flat, copies[i] if copies else None)
+        if writeback is not None:
+            writebacks.append(writeback)
+        batch.params.append(param)
+        batch.grads.append(grad)
+        for lst, buf in zip(batch.buffers, bufs):
+            lst.append(buf)
+        batch.steps.append(steps[i])
+    return batch, writebacks
+
+
 def _normalise_loaded_state(optimizer) -> None:
     """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
     another device becomes a float32 tensor on its parameter's device."""
@@ -456,21 +474,11 @@ class _PositiveNegativeMomentum(Optimizer):
         self.__dict__.pop("_repeat", None)
 
     def _build_batch(self, group, backend, params, names):
-        flat = backend in _backends.FLAT_BACKENDS
-        batch = Batch(buffers=[[] for _ in names])
-        writebacks = []
-        for p in params:
-            state = self._state_for(p, names, group)
-            param, grad, bufs, writeback = _kernel_tensors(
-                p, p.grad, [state[name] for name in names], flat)
-            if writeback is not None:
-                writebacks.append(writeback)
-            batch.params.append(param)
-            batch.grads.append(grad)
-            for lst, b in zip(batch.buffers, bufs):
-                lst.append(b)
-            batch.steps.append(state["step"])
-        return batch, writebacks
+        states = [self._state_for(p, names, group) for p in params]
+        return _kernel_batch(params, [p.grad for p in params],
+                             [[state[name] for state in states] for name in names],
+                             [state["step"] for state in states],
+                             backend in _backends.FLAT_BACKENDS)
 
     def _state_for(self, p, names, group):
         """p's state with these buffers: made where missing, and converted where p was given
@@ -559,18 +567,9 @@ class _PositiveNegativeMomentum(Optimizer):
                     # (A product: torch.full's fill value would be specialised on too.)
                     batch_hp = dict(hp, lr=torch.ones((), dtype=torch.float32, device=device)
                                     * hp["lr"])
-                batch = Batch(buffers=[[] for _ in buffers])
-                writebacks = []
-                for i in range(start, end):
-                    param, grad, bufs, writeback = _kernel_tensors(
-                        params[i], grads[i], [b[i] for b in buffers], flat, copies[i - start])
-                    if writeback is not None:
-                        writebacks.append(writeback)
-                    batch.params.append(param)
-                    batch.grads.append(grad)
-                    for lst, b in zip(batch.buffers, bufs):
-                        lst.append(b)
-                    batch.steps.append(steps[i])
+                batch, writebacks = _kernel_batch(
+                    params[start:end], grads[start:end], [b[start:end] for b in buffers],
+                    steps[start:end], flat, copies)
                 _backends.RUNNERS[backend](
                     self._adaptive, batch, batch_hp,
                     *(None if t is None else t.to(device) for t in (grad_scale, found_inf)))
