@@ -156,3 +156,30 @@ def test_a_compiled_step_with_the_triton_backend_runs_the_same_maths_traced(name
         torch.testing.assert_close(p, q)
         for key, value in ref.state[q].items():
             torch.testing.assert_close(opt.state[p][key], value)
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_eager_and_compiled_steps_can_alternate(name):
+    """Eager steps (which hold their lists between steps), then compiled ones (which make
+    state for a parameter that gets its first gradient there), then eager ones again: the
+    same as eager throughout, state included."""
+    torch._dynamo.reset()
+    runs = []
+    for switch in (False, True):
+        torch.manual_seed(0)
+        params = [torch.randn(s, device=DEVICE, requires_grad=True) for s in (7, (3, 4), 5)]
+        opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:], lr=3e-3)],
+                               lr=1e-2, backend="fused")
+        compiled = torch.compile(opt.step, backend=CompileCounter())
+        for t in range(9):
+            gen = torch.Generator().manual_seed(t)
+            for i, p in enumerate(params):
+                late = i == 2 and t < 4  # the last parameter's first gradient comes at step 4
+                p.grad = None if late else torch.randn(p.shape, generator=gen).to(DEVICE)
+            (compiled if switch and 3 <= t < 6 else opt.step)()
+        runs.append((opt, params))
+    (eager, eager_params), (mixed, mixed_params) = runs
+    for p, q in zip(eager_params, mixed_params):
+        torch.testing.assert_close(q, p)
+        for key, value in eager.state[p].items():
+            torch.testing.assert_close(mixed.state[q][key], value)
