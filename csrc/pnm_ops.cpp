@@ -678,40 +678,41 @@ struct StepLists : torch::CustomClassHolder {
                 double beta0, double weight_decay, bool decoupled, bool maximize,
                 std::optional<at::Tensor> lr_tensor, std::optional<at::Tensor> grad_scale,
                 std::optional<at::Tensor> found_inf) {
-    using Fn = decltype(pnm_step_op<CpuFused>);
-    static const auto op = find_op<Fn>("pnm_kernels::pnm_step_");
-    static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_pnm_step_");
-    (emulate ? emulated : op)
-        .call(params, grads, buffer0, buffer1, steps, lr, beta1, beta0, weight_decay, decoupled,
-              maximize, lr_tensor, grad_scale, found_inf, blocks_done);
+    pnm_step_on(params, grads, buffer0, buffer1, steps, emulate, lr, beta1, beta0,
+                weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf);
   }
 
   void adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
                    double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
                    bool decoupled, bool maximize, std::optional<at::Tensor> lr_tensor,
                    std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf) {
-    using Fn = decltype(adapnm_step_op<CpuFused>);
-    static const auto op = find_op<Fn>("pnm_kernels::adapnm_step_");
-    static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_adapnm_step_");
-    (emulate ? emulated : op)
-        .call(params, grads, buffer0, buffer1, buffer2, buffer3, steps, lr, beta1, beta2, beta0,
-              eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
-              found_inf, blocks_done);
+    adapnm_step_on(params, grads, buffer0, buffer1, buffer2, buffer3, steps, emulate, lr, beta1,
+                   beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor,
+                   grad_scale, found_inf);
   }
 
   // A step with the held parameters' own gradients (read here, so none cross over from
-  // Python), or with those take_own_grads() took for it (use_taken). Returns false, having
-  // done nothing, when a parameter has no gradient or one not dense and laid out like it:
-  // the optimizer then takes its careful path, which says what is wrong.
+  // Python), or with those take_own_grads() took for it (use_taken). A parameter without a
+  // gradient does not step, as on the careful path. Returns false, having done nothing,
+  // when a gradient is not dense and laid out like its parameter: the optimizer then takes
+  // its careful path, which copies it or says what is wrong.
   bool pnm_step_own_grads(bool use_taken, bool emulate, double lr, double beta1, double beta0,
                           double weight_decay, bool decoupled, bool maximize,
                           std::optional<at::Tensor> lr_tensor,
                           std::optional<at::Tensor> grad_scale,
                           std::optional<at::Tensor> found_inf) {
-    std::vector<at::Tensor> grads;
-    if (!own_or_taken_grads(use_taken, grads)) return false;
-    pnm_step(std::move(grads), emulate, lr, beta1, beta0, weight_decay, decoupled, maximize,
-             std::move(lr_tensor), std::move(grad_scale), std::move(found_inf));
+    OwnGrads own;
+    if (!own_or_taken_grads(use_taken, own)) return false;
+    if (own.grads.empty()) return true;  // no parameter has a gradient: none steps
+    if (own.present.empty()) {
+      pnm_step(std::move(own.grads), emulate, lr, beta1, beta0, weight_decay, decoupled,
+               maximize, lr_tensor, grad_scale, found_inf);
+    } else {
+      const auto& at = own.present;
+      pnm_step_on(pick(params, at), own.grads, pick(buffer0, at), pick(buffer1, at),
+                  pick(steps, at), emulate, lr, beta1, beta0, weight_decay, decoupled, maximize,
+                  lr_tensor, grad_scale, found_inf);
+    }
     return true;
   }
 
@@ -721,30 +722,38 @@ struct StepLists : torch::CustomClassHolder {
                              std::optional<at::Tensor> lr_tensor,
                              std::optional<at::Tensor> grad_scale,
                              std::optional<at::Tensor> found_inf) {
-    std::vector<at::Tensor> grads;
-    if (!own_or_taken_grads(use_taken, grads)) return false;
-    adapnm_step(std::move(grads), emulate, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
-                decoupled, maximize, std::move(lr_tensor), std::move(grad_scale),
-                std::move(found_inf));
+    OwnGrads own;
+    if (!own_or_taken_grads(use_taken, own)) return false;
+    if (own.grads.empty()) return true;  // no parameter has a gradient: none steps
+    if (own.present.empty()) {
+      adapnm_step(std::move(own.grads), emulate, lr, beta1, beta2, beta0, eps, weight_decay,
+                  amsgrad, decoupled, maximize, lr_tensor, grad_scale, found_inf);
+    } else {
+      const auto& at = own.present;
+      adapnm_step_on(pick(params, at), own.grads, pick(buffer0, at), pick(buffer1, at),
+                     pick(buffer2, at), pick(buffer3, at), pick(steps, at), emulate, lr, beta1,
+                     beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor,
+                     grad_scale, found_inf);
+    }
     return true;
   }
 
   // A step over several batches first takes every batch's gradients, so that none steps
-  // unless all can (a gradient missing or laid out unlike its parameter, or a parameter
-  // given new data: see held_lists_ok); each batch's step then uses what it took, and the
-  // gradients are read once. False, holding nothing, when this batch cannot step.
+  // unless all can (a gradient laid out unlike its parameter, or a parameter given new
+  // data: see held_lists_ok); each batch's step then uses what it took, and the gradients
+  // are read once. False, holding nothing, when this batch cannot step.
   bool take_own_grads() {
     drop_taken_grads();
-    std::vector<at::Tensor> grads;
-    if (!own_grads(grads) || !held_lists_ok()) return false;
-    taken_grads = std::move(grads);
-    has_taken_grads = true;
+    OwnGrads own;
+    if (!own_grads(own) || !held_lists_ok()) return false;
+    taken = std::move(own);
+    has_taken = true;
     return true;
   }
 
   void drop_taken_grads() {
-    taken_grads.clear();
-    has_taken_grads = false;
+    taken = OwnGrads();
+    has_taken = false;
   }
 
   // Whether the held parameters still fit their state (dtype, device, shape, layout). A
@@ -796,25 +805,77 @@ struct StepLists : torch::CustomClassHolder {
   }
 
  private:
-  std::vector<at::Tensor> taken_grads;  // see take_own_grads
-  bool has_taken_grads = false;
+  // A step's gradients, in the order of the held parameters that have one; `present` says
+  // which those are, and is empty when every held parameter has one.
+  struct OwnGrads {
+    std::vector<at::Tensor> grads;
+    std::vector<int64_t> present;
+  };
+  OwnGrads taken;  // see take_own_grads
+  bool has_taken = false;
 
-  bool own_or_taken_grads(bool use_taken, std::vector<at::Tensor>& grads) {
-    if (!use_taken) return own_grads(grads);
-    TORCH_CHECK(has_taken_grads, "pnm_kernels: StepLists: no gradients taken for this step");
-    grads = std::move(taken_grads);
+  bool own_or_taken_grads(bool use_taken, OwnGrads& own) {
+    if (!use_taken) return own_grads(own);
+    TORCH_CHECK(has_taken, "pnm_kernels: StepLists: no gradients taken for this step");
+    own = std::move(taken);
     drop_taken_grads();
     return true;
   }
 
-  bool own_grads(std::vector<at::Tensor>& grads) const {
-    grads.reserve(params.size());
-    for (const at::Tensor& p : params) {
-      const at::Tensor& g = p.grad();
-      if (!g.defined()) return false;
-      grads.push_back(g);
+  bool own_grads(OwnGrads& own) const {
+    own.grads.reserve(params.size());
+    own.present.reserve(params.size());
+    for (size_t i = 0; i < params.size(); ++i) {
+      const at::Tensor& g = params[i].grad();
+      if (!g.defined()) continue;
+      own.grads.push_back(g);
+      own.present.push_back(static_cast<int64_t>(i));
     }
-    return first_mismatched_grad(params, grads, /*same_layout=*/true) < 0;
+    if (own.grads.size() == params.size()) {
+      own.present.clear();
+      return first_mismatched_grad(params, own.grads, /*same_layout=*/true) < 0;
+    }
+    return first_mismatched_grad(pick(params, own.present), own.grads, /*same_layout=*/true) < 0;
+  }
+
+  static std::vector<at::Tensor> pick(const std::vector<at::Tensor>& list,
+                                      const std::vector<int64_t>& at) {
+    if (list.empty()) return {};  // a buffer this optimizer does not hold (buffer3 without AMSGrad)
+    std::vector<at::Tensor> out;
+    out.reserve(at.size());
+    for (int64_t i : at) out.push_back(list[static_cast<size_t>(i)]);
+    return out;
+  }
+
+  void pnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
+                   const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
+                   const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1,
+                   double beta0, double weight_decay, bool decoupled, bool maximize,
+                   const std::optional<at::Tensor>& lr_tensor,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf) {
+    using Fn = decltype(pnm_step_op<CpuFused>);
+    static const auto op = find_op<Fn>("pnm_kernels::pnm_step_");
+    static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_pnm_step_");
+    (emulate ? emulated : op)
+        .call(p, g, m, m_other, s, lr, beta1, beta0, weight_decay, decoupled, maximize,
+              lr_tensor, grad_scale, found_inf, blocks_done);
+  }
+
+  void adapnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
+                      const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
+                      const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& v_max,
+                      const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1,
+                      double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+                      bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf) {
+    using Fn = decltype(adapnm_step_op<CpuFused>);
+    static const auto op = find_op<Fn>("pnm_kernels::adapnm_step_");
+    static const auto emulated = find_op<Fn>("pnm_kernels::emulated_cuda_adapnm_step_");
+    (emulate ? emulated : op)
+        .call(p, g, m, m_other, v, v_max, s, lr, beta1, beta2, beta0, eps, weight_decay,
+              amsgrad, decoupled, maximize, lr_tensor, grad_scale, found_inf, blocks_done);
   }
 
   template <class Fn>

@@ -45,6 +45,7 @@ class _HeldGroup:
     lists: object  # the batch's pnm_kernels._C StepLists
     device: torch.device
     plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
+    outside: tuple = ()  # its parameters without state, not in the lists: none may step
 
 
 def _is_real_number(x) -> bool:
@@ -608,31 +609,62 @@ class _PositiveNegativeMomentum(Optimizer):
 
     def _remember_step(self, plan, batches):
         """After a step (these plan items, run as these batches) in which every param group
-        was one fused batch held in C++, with a gradient for each of its parameters: what the
-        next step needs to repeat it without planning (see _repeat_step)."""
+        was one fused batch held in C++: what the next step needs to repeat it without
+        planning (see _repeat_step). Where some of a group's parameters had no gradient, the
+        lists held are those of all its parameters with state (see _lists_with_state)."""
         groups = self.param_groups
         if len(plan) != len(groups):
             return
         entries = []
         for item, batch, group in zip(plan, batches, groups):
-            if (item.group is not group or item.backend != "fused"
-                    or len(item.params) != len(group["params"])):
+            if item.group is not group or item.backend != "fused" or batch.memo is None:
                 return
-            lists = batch.memo.get("step_lists") if batch.memo is not None else None
+            lists, outside = batch.memo.get("step_lists"), ()
+            if len(item.params) != len(group["params"]):
+                lists, outside = self._lists_with_state(group, item, lists)
             if lists is None:
                 return
             entries.append(_HeldGroup(group, list(group["params"]), self._validated[id(group)],
                                       lists, item.params[0].device,
-                                      (group["backend"], self._buffers_needed(group))))
+                                      (group["backend"], self._buffers_needed(group)), outside))
         self._repeat = (self._state_version(), entries)
+
+    def _lists_with_state(self, group, item, lists):
+        """For a group of which only some parameters stepped (the plan item's): C++ lists of
+        every parameter with state, so that steps where others lack a gradient (mixture-of-
+        experts layers, unused branches) repeat too, those without one skipped in C++; and
+        the parameters without state, which must get none. (None, ()) where a parameter with
+        state cannot join the batch's lists (another device, dtype or layout, or state not
+        made like the batch's). `lists`: the batch's own, used when they are all of them."""
+        names = self._buffers_needed(group)
+        device, dtype = item.params[0].device, item.params[0].dtype
+        held, states, outside = [], [], []
+        for p in group["params"]:
+            state = self.state.get(p)
+            if not state:
+                outside.append(p)
+                continue
+            if not (_is_plain(p) and p.device == device and p.dtype == dtype
+                    and not p.is_complex() and p.is_contiguous()
+                    and getattr(state.get("step"), "device", None) == device
+                    and all(name in state and _state_fits(state[name], p) for name in names)):
+                return None, ()
+            held.append(p)
+            states.append(state)
+        if len(held) == len(item.params):  # every parameter with state stepped
+            return lists, tuple(outside)
+        batch = Batch(held, [], [[state[name] for state in states] for name in names],
+                      [state["step"] for state in states], memo={})
+        return _backends.step_lists(batch), tuple(outside)
 
     def _repeat_step(self, grad_scale, found_inf):
         """The last step again, if it was remembered and nothing it depends on changed: the
         same groups and parameters, state, backends and buffers. Other hyper-parameters may
         change (a scheduler's lr): they are validated here, as _plan would. The C++ lists read
         the gradients themselves, so an eager step over thousands of tensors costs no Python
-        loop. False, having done nothing, when it does not apply (a missing or unusually laid
-        out gradient included, or a batch's kernel refusing its arguments)."""
+        loop; a parameter without one does not step. False, having done nothing, when it does
+        not apply (a gradient for a parameter without state, or one laid out unlike its
+        parameter, included, or a batch's kernel refusing its arguments)."""
         repeat = self.__dict__.get("_repeat")
         if repeat is None:
             return False
@@ -645,6 +677,8 @@ class _PositiveNegativeMomentum(Optimizer):
             if (group is not held.group or len(current) != len(held.params)
                     or not all(map(operator.is_, current, held.params))):
                 return False
+            if any(p.grad is not None for p in held.outside):
+                return False  # a parameter without state got a gradient: plan, making it
             signature = _signature(group)
             if signature != held.signature:
                 _validate_group(group, self._adaptive, f"param_groups[{gi}]")

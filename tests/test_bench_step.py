@@ -109,3 +109,12 @@ def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_
         assert f"| {family} | bare loop |" in out
     assert "| PNM | pnm_kernels fused |" in out and "| AdaPNM | pnm_kernels fused |" in out
     assert "AdaPNM ÷ Adam-amsgrad, effective GB/s: bare loop" in out
+
+
+def test_missing_gradients_script_prints_both_optimizers_for_each_fraction(capsys):
+    import missing_grads
+    missing_grads.main(["--steps", "1", "--fractions", "0,0.5"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == ["| 0%", "| 50%"]
+    assert all(float(r.split(" | ")[1]) > 0 and float(r.split(" | ")[2].rstrip(" |")) > 0
+               for r in rows[1:])

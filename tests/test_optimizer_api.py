@@ -130,6 +130,32 @@ def test_lr_scheduler_and_tensor_lr(path, name):
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.5**3)
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_steps_where_some_parameters_lack_a_gradient_match_the_reference(path, name,
+                                                                         monkeypatch):
+    """Mixture-of-experts layers and unused branches: each step another subset of parameters
+    has no gradient (those do not step; some steps none of the second group's has one), and
+    one parameter gets its first gradient only at step 6. The steps match the reference,
+    state included; on the fused path they repeat without planning, but for the steps where
+    a parameter without state gets a gradient (1 and 6, after the first)."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,), (4,), (5,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        o.param_groups[0]["params"] = ps[:3]
+        o.add_param_group(dict(params=ps[3:], lr=3e-3))
+    plans = []
+    plan = opt._plan
+    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    for t in range(20):
+        for o, ps in ((opt, params), (ref, ref_params)):
+            for i, (p, g) in enumerate(zip(ps, grads_for_step(ps, t))):
+                p.grad = None if (i == 4 and t < 6) or (t + i) % 3 == 0 else g
+            o.step()
+    assert_states_close(opt, params, ref, ref_params)
+    if path in ("fused", "emulated"):
+        assert len(plans) == 3
+
+
 @pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
 @BOTH
 def test_the_optimizer_keeps_no_gradient_alive(path, name):
