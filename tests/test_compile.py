@@ -183,3 +183,24 @@ def test_eager_and_compiled_steps_can_alternate(name):
         torch.testing.assert_close(q, p)
         for key, value in eager.state[p].items():
             torch.testing.assert_close(mixed.state[q][key], value)
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_the_step_compiles_into_one_graph_with_fullgraph(name):
+    """torch.compile(opt.step, fullgraph=True) works (torch's own optimizers break the graph
+    on purpose and refuse it): two groups, a tensor lr changed between steps, new gradients
+    each step, one graph for every step."""
+    torch._dynamo.reset()
+    params = [torch.randn(5, device=DEVICE, requires_grad=True),
+              torch.randn(3, 2, device=DEVICE, requires_grad=True)]
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:], lr=1e-3)],
+                           lr=torch.tensor(1e-2))
+    counter = CompileCounter()
+    step = torch.compile(opt.step, backend=counter, fullgraph=True)
+    for t in range(4):
+        for p in params:
+            p.grad = torch.randn_like(p)
+        step()
+        opt.param_groups[0]["lr"].mul_(0.5)
+    assert counter.frame_count == 1
+    assert [opt.state[p]["step"].item() for p in params] == [4, 4]
