@@ -2,6 +2,7 @@
 import copy
 import gc
 import math
+import random
 
 import pytest
 import torch
@@ -909,3 +910,45 @@ def test_repeated_steps_over_several_groups_match_the_reference(path, name):
         opt.step()
     for p, v, s in zip(params, values, steps):
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+def _steps_with_random_events(name, backend, seed, steps=80):
+    """Steps over three groups in which, at random, a quarter of the gradients are missing
+    and, now and then, an lr is scaled, AMSGrad or decoupled decay switched, a parameter's
+    state deleted, the state_dict reloaded, or a parameter given new data."""
+    events = random.Random(seed)
+    torch.manual_seed(seed)
+    shapes = [(events.randint(1, 40),) for _ in range(7)] + [(3, 5), (2, 2, 3)]
+    params = [torch.randn(s, device=DEVICE, requires_grad=True) for s in shapes]
+    opt = OPTIMIZERS[name]([dict(params=params[:4]), dict(params=params[4:7], weight_decay=0.1),
+                            dict(params=params[7:], lr=3e-3)], lr=1e-2, backend=backend)
+    for t in range(steps):
+        for p, g in zip(params, grads_for_step(params, t, seed)):
+            p.grad = None if events.random() < 0.25 else g
+        event, group = events.random(), opt.param_groups[events.randrange(3)]
+        k = events.randrange(len(params))
+        if event < 0.05:
+            group["lr"] *= 0.7
+        elif event < 0.08 and name == "AdaPNM":
+            group["amsgrad"] = not group["amsgrad"]
+        elif event < 0.10:
+            opt.state.pop(params[k], None)
+        elif event < 0.12:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        elif event < 0.14:
+            group["decoupled"] = not group["decoupled"]
+        elif event < 0.15:
+            params[k].data = params[k].data.clone()
+        opt.step()
+    return opt, params
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("seed", [0, 1])
+@BOTH
+def test_any_sequence_of_user_events_gives_the_references_steps(path, name, seed):
+    """Whatever a user does between steps, in whatever order, the fast paths (with their
+    cached and repeated steps) give what the reference gives, state included."""
+    opt, params = _steps_with_random_events(name, path, seed)
+    ref, ref_params = _steps_with_random_events(name, "reference", seed)
+    assert_states_close(opt, params, ref, ref_params)
