@@ -694,8 +694,9 @@ struct StepLists : torch::CustomClassHolder {
   // A step with the held parameters' own gradients (read here, so none cross over from
   // Python), or with those take_own_grads() took for it (use_taken). A parameter without a
   // gradient does not step, as on the careful path. Returns false, having done nothing,
-  // when a gradient is not dense and laid out like its parameter: the optimizer then takes
-  // its careful path, which copies it or says what is wrong.
+  // when a gradient is not dense and laid out like its parameter, or a parameter outside
+  // the lists (hold_outside) has one: the optimizer then takes its careful path, which
+  // copies it, makes its state or says what is wrong.
   bool pnm_step_own_grads(bool use_taken, bool emulate, double lr, double beta1, double beta0,
                           double weight_decay, bool decoupled, bool maximize,
                           std::optional<at::Tensor> lr_tensor,
@@ -756,6 +757,14 @@ struct StepLists : torch::CustomClassHolder {
     has_taken = false;
   }
 
+  // Parameters of the batch's param group that have no state and so are not held: a
+  // gradient for one of them makes the own-gradient steps decline (the careful path then
+  // makes its state). Checked here, not in Python: a model passed whole, most of it frozen,
+  // has thousands.
+  void hold_outside(std::vector<at::Tensor> params_without_state) {
+    outside = std::move(params_without_state);
+  }
+
   // Whether the held parameters still fit their state (dtype, device, shape, layout). A
   // parameter given new data (p.data = ...) changes under the held lists; the optimizer then
   // rebuilds the batch, its state following the parameter. The buffers are the optimizer's
@@ -813,6 +822,7 @@ struct StepLists : torch::CustomClassHolder {
   };
   OwnGrads taken;  // see take_own_grads
   bool has_taken = false;
+  std::vector<at::Tensor> outside;  // see hold_outside
 
   bool own_or_taken_grads(bool use_taken, OwnGrads& own) {
     if (!use_taken) return own_grads(own);
@@ -823,6 +833,9 @@ struct StepLists : torch::CustomClassHolder {
   }
 
   bool own_grads(OwnGrads& own) const {
+    for (const at::Tensor& p : outside) {
+      if (p.grad().defined()) return false;
+    }
     own.grads.reserve(params.size());
     own.present.reserve(params.size());
     for (size_t i = 0; i < params.size(); ++i) {
@@ -928,6 +941,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("adapnm_step_own_grads", &pnm::StepLists::adapnm_step_own_grads)
       .def("take_own_grads", &pnm::StepLists::take_own_grads)
       .def("drop_taken_grads", &pnm::StepLists::drop_taken_grads)
+      .def("hold_outside", &pnm::StepLists::hold_outside)
       .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
       .def("bump_versions", &pnm::StepLists::bump_versions);
 }

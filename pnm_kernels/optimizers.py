@@ -45,7 +45,6 @@ class _HeldGroup:
     lists: object  # the batch's pnm_kernels._C StepLists
     device: torch.device
     plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
-    outside: tuple = ()  # its parameters without state, not in the lists: none may step
 
 
 def _is_real_number(x) -> bool:
@@ -624,9 +623,10 @@ class _PositiveNegativeMomentum(Optimizer):
                 lists, outside = self._lists_with_state(group, item, lists)
             if lists is None:
                 return
+            lists.hold_outside(list(outside))
             entries.append(_HeldGroup(group, list(group["params"]), self._validated[id(group)],
                                       lists, item.params[0].device,
-                                      (group["backend"], self._buffers_needed(group)), outside))
+                                      (group["backend"], self._buffers_needed(group))))
         self._repeat = (self._state_version(), entries)
 
     def _lists_with_state(self, group, item, lists):
@@ -677,8 +677,6 @@ class _PositiveNegativeMomentum(Optimizer):
             if (group is not held.group or len(current) != len(held.params)
                     or not all(map(operator.is_, current, held.params))):
                 return False
-            if any(p.grad is not None for p in held.outside):
-                return False  # a parameter without state got a gradient: plan, making it
             signature = _signature(group)
             if signature != held.signature:
                 _validate_group(group, self._adaptive, f"param_groups[{gi}]")
