@@ -5,7 +5,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
-from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, requires_extension
+from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
 
 pytestmark = requires_extension
 
@@ -62,11 +62,7 @@ def test_compiled_training_step_matches_eager_and_compiles_once(name, lr):
             s.step()
         frames.append(counter.frame_count)
     assert frames[2] == frames[-1], frames  # a graph per step would hit the recompile limit
-    for p, q in zip(eager.parameters(), compiled.parameters()):
-        torch.testing.assert_close(p, q)
-    for p, q in zip(eager.parameters(), compiled.parameters()):
-        for key, value in opts[0].state[p].items():
-            torch.testing.assert_close(opts[1].state[q][key], value)
+    assert_states_close(opts[1], list(compiled.parameters()), opts[0], list(eager.parameters()))
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
@@ -125,12 +121,8 @@ def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name):
                 p.grad = torch.randn(p.shape, generator=gen_t, dtype=p.dtype).to(DEVICE)
             step()
         runs.append((opt, params))
-    (eager, eager_params), (compiled, compiled_params) = runs
-    for i, (p, q) in enumerate(zip(eager_params, compiled_params)):
-        torch.testing.assert_close(q, p, msg=lambda m: f"param {i}: {m}")
-        for key, value in eager.state[p].items():
-            torch.testing.assert_close(compiled.state[q][key], value)
-    assert compiled_params[6].stride() == (12, 3)
+    assert_states_close(*runs[1], *runs[0])
+    assert runs[1][1][6].stride() == (12, 3)
 
 
 @pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
@@ -152,10 +144,7 @@ def test_a_compiled_step_with_the_triton_backend_runs_the_same_maths_traced(name
             q.grad = p.grad.clone()
         step()
         ref.step()
-    for p, q in zip(params, ref_params):
-        torch.testing.assert_close(p, q)
-        for key, value in ref.state[q].items():
-            torch.testing.assert_close(opt.state[p][key], value)
+    assert_states_close(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
@@ -178,11 +167,7 @@ def test_eager_and_compiled_steps_can_alternate(name):
                 p.grad = None if late else torch.randn(p.shape, generator=gen).to(DEVICE)
             (compiled if switch and 3 <= t < 6 else opt.step)()
         runs.append((opt, params))
-    (eager, eager_params), (mixed, mixed_params) = runs
-    for p, q in zip(eager_params, mixed_params):
-        torch.testing.assert_close(q, p)
-        for key, value in eager.state[p].items():
-            torch.testing.assert_close(mixed.state[q][key], value)
+    assert_states_close(*runs[1], *runs[0])
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
