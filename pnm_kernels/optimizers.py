@@ -114,6 +114,12 @@ def _is_plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+def _holdable(p) -> bool:
+    """A parameter the kernels take as it is (plain, real, contiguous): its lists can be
+    held between steps."""
+    return _is_plain(p) and not p.is_complex() and p.is_contiguous()
+
+
 def _pick(params, grads, indices):
     """The parameters and gradients at these indices (the lists themselves when all)."""
     if len(indices) == len(params):
@@ -444,8 +450,7 @@ class _PositiveNegativeMomentum(Optimizer):
                              cached.memo), []
         names = self._buffers_needed(group)
         batch, writebacks = self._build_batch(group, backend, params, names)
-        simple = not writebacks and all(
-            _is_plain(p) and not p.is_complex() and p.is_contiguous() for p in params)
+        simple = not writebacks and all(map(_holdable, params))
         if simple and backend in _backends.FLAT_BACKENDS:
             cache = self.__dict__.setdefault("_batch_cache", {})
             version = self._state_version()
@@ -644,8 +649,7 @@ class _PositiveNegativeMomentum(Optimizer):
             if not state:
                 outside.append(p)
                 continue
-            if not (_is_plain(p) and p.device == device and p.dtype == dtype
-                    and not p.is_complex() and p.is_contiguous()
+            if not (_holdable(p) and p.device == device and p.dtype == dtype
                     and getattr(state.get("step"), "device", None) == device
                     and all(name in state and _state_fits(state[name], p) for name in names)):
                 return None, ()
