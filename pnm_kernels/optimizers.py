@@ -5,6 +5,7 @@ import math
 import numbers
 import operator
 import sys
+from collections import defaultdict
 from dataclasses import dataclass
 from typing import Optional
 
@@ -227,17 +228,90 @@ def _kernel_batch(params, grads, buffers, steps, flat, copies=None):
     return batch, writebacks
 
 
+# How often anyone but the optimizers changed which tensors a state holds (see _ParamState).
+_state_changes = 0
+
+
+def _counted(change):
+    def counted(self, *args, **kwargs):
+        global _state_changes
+        _state_changes += 1
+        return change(self, *args, **kwargs)
+    counted.__name__ = change.__name__
+    return counted
+
+
+class _CountsChanges:
+    """Every way of putting in, replacing or taking out an entry, counted."""
+    __slots__ = ()
+    __setitem__ = _counted(dict.__setitem__)
+    __delitem__ = _counted(dict.__delitem__)
+    __ior__ = _counted(dict.__ior__)
+    clear = _counted(dict.clear)
+    pop = _counted(dict.pop)
+    popitem = _counted(dict.popitem)
+    setdefault = _counted(dict.setdefault)
+    update = _counted(dict.update)
+
+
+class _ParamState(_CountsChanges, dict):
+    """One parameter's state. Steps reuse the tensor lists they built from it (the batch
+    cache, the repeated step), so a change made from outside (a moment reset by hand, a new
+    step counter) is counted, and the next step reads the state again, as torch's
+    optimizers, which read it every step, would. The optimizers' own writes are not counted
+    (_put): the lists built before stay valid."""
+    __slots__ = ()
+
+
+class _OptimizerState(_CountsChanges, defaultdict):
+    """optimizer.state: a defaultdict of _ParamState, entries replaced or deleted counted."""
+    __slots__ = ()
+
+    def __missing__(self, param):  # optimizer.state[p] before p has state, as in torch
+        entry = self[param] = _ParamState()
+        return entry
+
+
+def _put(state: dict, key, value) -> None:
+    """The optimizer's own write into its state: not counted as a change."""
+    dict.__setitem__(state, key, value)
+
+
+def _tracked_state(state, fresh_entries=False) -> _OptimizerState:
+    """optimizer.state as a counted dict: one set by hand (optimizer.state = defaultdict(dict)
+    to restart), or load_state_dict's. Plain entries are kept as they are, so that a
+    reference to one still reaches the state (their parameters' lists are then not reused:
+    see _build_batch), unless they are fresh_entries (load_state_dict's), made counted."""
+    tracked = _OptimizerState()
+    for param, entry in state.items():
+        if fresh_entries and type(entry) is dict:
+            entry = _ParamState(entry)
+        _put(tracked, param, entry)
+    return tracked
+
+
+def _plain_state_entries(optimizer, state_dict):
+    """state_dict post-hook: plain dicts, which torch.load(weights_only=True) accepts."""
+    state_dict["state"] = {key: dict(entry) if isinstance(entry, _ParamState) else entry
+                           for key, entry in state_dict["state"].items()}
+
+
+def _as_step(step, p) -> torch.Tensor:
+    """A step counter as the backends take it: a float32 tensor on its parameter's device
+    (a Python int in the authors' checkpoints; one set by hand may be anything numeric)."""
+    if torch.is_tensor(step):
+        return step.to(device=p.device, dtype=torch.float32)  # itself where it is one already
+    return torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
+
+
 def _normalise_loaded_state(optimizer) -> None:
-    """After load_state_dict: a step saved as a Python int (the authors' optimizers) or on
-    another device becomes a float32 tensor on its parameter's device."""
+    """After load_state_dict: every step counter as the backends take it (see _as_step)."""
     optimizer._drop_cached_batches()
     for group in optimizer.param_groups:
         for p in group["params"]:
             state = optimizer.state.get(p)
             if state and "step" in state:
-                step = state["step"]
-                if not torch.is_tensor(step) or step.device != p.device or step.dtype != torch.float32:
-                    state["step"] = torch.as_tensor(float(step), dtype=torch.float32).to(p.device)
+                _put(state, "step", _as_step(state["step"], p))
 
 
 class _PositiveNegativeMomentum(Optimizer):
@@ -249,6 +323,8 @@ class _PositiveNegativeMomentum(Optimizer):
     def __init__(self, params, defaults):
         _validate_group(dict(defaults, params=[]), self._adaptive, "defaults")
         super().__init__(params, defaults)
+        self.state = _OptimizerState()
+        self.register_state_dict_post_hook(_plain_state_entries, prepend=True)
 
     def load_state_dict(self, state_dict: dict) -> None:
         # Checked before anything is replaced: a state_dict of another optimizer (AdamW's
@@ -257,6 +333,7 @@ class _PositiveNegativeMomentum(Optimizer):
             _validate_group({**self.defaults, **group}, self._adaptive,
                             f"state_dict['param_groups'][{gi}]")
         super().load_state_dict(state_dict)
+        self.state = _tracked_state(self.state, fresh_entries=True)
         _normalise_loaded_state(self)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -281,6 +358,7 @@ class _PositiveNegativeMomentum(Optimizer):
 
     def __setstate__(self, state):
         super().__setstate__(state)
+        self.state = _tracked_state(self.state)
         for group in self.param_groups:  # groups saved before a key existed get its default
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -449,8 +527,8 @@ class _PositiveNegativeMomentum(Optimizer):
                 return Batch(cached.params, item.grads, cached.buffers, cached.steps,
                              cached.memo), []
         names = self._buffers_needed(group)
-        batch, writebacks = self._build_batch(group, backend, params, names)
-        simple = not writebacks and all(map(_holdable, params))
+        batch, writebacks, counted = self._build_batch(group, backend, params, names)
+        simple = counted and not writebacks and all(map(_holdable, params))
         if simple and backend in _backends.FLAT_BACKENDS:
             cache = self.__dict__.setdefault("_batch_cache", {})
             version = self._state_version()
@@ -466,10 +544,12 @@ class _PositiveNegativeMomentum(Optimizer):
         return batch, writebacks
 
     def _state_version(self):
-        """Changes whenever state entries may have been replaced, or created or deleted by
-        anyone but _build_batch (whose new entries leave the lists built before valid)."""
-        return (self.__dict__.get("_state_epoch", 0),
-                len(self.state) - self.__dict__.get("_states_made", 0))
+        """Changes whenever a state entry may have been put in, replaced or taken out by
+        anyone but the optimizer (whose new entries leave the lists built before valid)."""
+        if type(self.state) is not _OptimizerState:  # optimizer.state = ... by hand
+            self.state = _tracked_state(self.state)
+            self._drop_cached_batches()
+        return self.__dict__.get("_state_epoch", 0), _state_changes
 
     def _drop_cached_batches(self):
         """Forgets every cached list, letting go of the tensors they hold (a whole replaced
@@ -479,27 +559,31 @@ class _PositiveNegativeMomentum(Optimizer):
         self.__dict__.pop("_repeat", None)
 
     def _build_batch(self, group, backend, params, names):
+        """The batch, its write-backs, and whether every state it read counts its changes
+        (only then may its lists be reused: see _ParamState)."""
         states = [self._state_for(p, names, group) for p in params]
-        return _kernel_batch(params, [p.grad for p in params],
-                             [[state[name] for state in states] for name in names],
-                             [state["step"] for state in states],
-                             backend in _backends.FLAT_BACKENDS)
+        batch, writebacks = _kernel_batch(params, [p.grad for p in params],
+                                          [[state[name] for state in states] for name in names],
+                                          [state["step"] for state in states],
+                                          backend in _backends.FLAT_BACKENDS)
+        return batch, writebacks, all(type(state) is _ParamState for state in states)
 
     def _state_for(self, p, names, group):
         """p's state with these buffers: made where missing, and converted where p was given
         new data since (see _follow)."""
-        if p not in self.state:
-            self._states_made = self.__dict__.get("_states_made", 0) + 1
-        state = self.state[p]
-        if "step" not in state:  # loaded steps were made tensors by load_state_dict
-            state["step"] = torch.zeros((), dtype=torch.float32, device=p.device)
-        elif state["step"].device != p.device:
-            state["step"] = state["step"].to(p.device)
+        state = self.state.get(p)
+        if state is None:
+            state = _ParamState()
+            _put(self.state, p, state)
+        if "step" not in state:
+            _put(state, "step", torch.zeros((), dtype=torch.float32, device=p.device))
+        else:
+            _put(state, "step", _as_step(state["step"], p))
         for name in names:
             if name not in state:  # e.g. amsgrad switched on mid-run
-                state[name] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                _put(state, name, torch.zeros_like(p, memory_format=torch.preserve_format))
             elif not _state_fits(state[name], p):
-                state[name] = self._follow(p, name, state[name], group)
+                _put(state, name, self._follow(p, name, state[name], group))
         return state
 
     def _follow(self, p, name, buffer, group):
@@ -649,7 +733,7 @@ class _PositiveNegativeMomentum(Optimizer):
             if not state:
                 outside.append(p)
                 continue
-            if not (_holdable(p) and p.device == device and p.dtype == dtype
+            if not (type(state) is _ParamState and _holdable(p) and p.device == device and p.dtype == dtype
                     and getattr(state.get("step"), "device", None) == device
                     and all(name in state and _state_fits(state[name], p) for name in names)):
                 return None, ()

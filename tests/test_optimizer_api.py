@@ -1,7 +1,10 @@
 """PNM and AdaPNM behave like torch's own optimizers in everything a user relies on."""
+import collections
 import copy
 import gc
+import io
 import math
+import pickle
 import random
 
 import pytest
@@ -361,6 +364,68 @@ def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name)
         assert torch.equal(p, v)
 
 
+def _edit_state(how, o, ps):
+    """One way of changing the second parameter's state by hand between steps. Returns a
+    plain dict put in by hand, which the user may go on editing."""
+    state = o.state[ps[1]]
+    buffer = next(key for key in state if key != "step")
+    if how == "a buffer replaced":  # a moment reset
+        state[buffer] = torch.ones_like(state[buffer])
+    elif how == "the counter replaced":
+        state["step"] = torch.tensor(1.0)
+    elif how == "the counter as an int":
+        state["step"] = 1
+    elif how == "update()":
+        state.update({key: value * 0.5 for key, value in state.items() if key != "step"})
+    elif how == "a buffer deleted":  # made again, zero
+        del state[buffer]
+    elif how == "a plain dict":
+        kept = o.state[ps[1]] = {key: value.clone() for key, value in state.items()}
+        return kept
+    elif how == "a new optimizer.state":
+        o.state = collections.defaultdict(dict, {p: dict(s) for p, s in o.state.items()})
+        return o.state[ps[1]]
+    return None
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("how", ["a buffer replaced", "the counter replaced",
+                                 "the counter as an int", "update()", "a buffer deleted",
+                                 "a plain dict", "a new optimizer.state"])
+@BOTH
+def test_state_changed_by_hand_is_what_the_next_step_reads(path, name, how):
+    """The fast paths reuse the tensor lists they built (cached and repeated steps), yet a
+    step reads the state as it is now, as torch's optimizers do: after an entry is replaced
+    by hand (a Python int counter made a tensor, as load_state_dict makes it), and after a
+    plain dict is put in by hand and then edited through the user's own reference to it."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        kept = _edit_state(how, o, ps)
+        train(o, ps, 2, start=3)
+        if kept is not None:
+            kept["step"] = torch.tensor(10.0)
+            train(o, ps, 2, start=5)
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@BOTH
+def test_a_state_dict_loads_with_weights_only(name):
+    """torch.load's default (weights_only=True) accepts the state_dict: plain containers,
+    however the optimizer keeps its state."""
+    params = make_params([(5,), (2, 3)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 2)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    twin = OPTIMIZERS[name](clone_params(params))
+    twin.load_state_dict(loaded)
+    assert all(type(entry) is dict for entry in loaded["state"].values())
+    assert torch.equal(twin.state[twin.param_groups[0]["params"][1]]["step"], torch.tensor(2.0))
+
+
 def _second_parameter_restarted_after_three_steps(name, path, restart):
     """Three steps, restart(opt, params) on both runs, three more: the second parameter has
     fresh state (3 steps), the others carry on (6), and the fast path matches the reference."""
@@ -580,12 +645,13 @@ def test_loading_another_optimizers_state_dict_raises_before_changing_anything()
     train(opt, params, 1, start=2)
 
 
+@pytest.mark.parametrize("how", ["deepcopy", "pickle"])
 @BOTH
-def test_deepcopy_is_independent(name):
+def test_a_copy_is_independent(name, how):
     params = make_params([(5,)])
     opt = OPTIMIZERS[name](params)
     train(opt, params, 3)
-    twin = copy.deepcopy(opt)
+    twin = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
     twin_param = twin.param_groups[0]["params"][0]
     torch.testing.assert_close(twin.state[twin_param]["exp_avg" if name == "AdaPNM" else "pos_momentum"],
                                opt.state[params[0]]["exp_avg" if name == "AdaPNM" else "pos_momentum"])
@@ -915,7 +981,8 @@ def test_repeated_steps_over_several_groups_match_the_reference(path, name):
 def _steps_with_random_events(name, backend, seed, steps=80):
     """Steps over three groups in which, at random, a quarter of the gradients are missing
     and, now and then, an lr is scaled, AMSGrad or decoupled decay switched, a parameter's
-    state deleted, the state_dict reloaded, or a parameter given new data."""
+    state deleted or a buffer of it replaced, the state_dict reloaded, or a parameter given
+    new data."""
     events = random.Random(seed)
     torch.manual_seed(seed)
     shapes = [(events.randint(1, 40),) for _ in range(7)] + [(3, 5), (2, 2, 3)]
@@ -939,6 +1006,10 @@ def _steps_with_random_events(name, backend, seed, steps=80):
             group["decoupled"] = not group["decoupled"]
         elif event < 0.15:
             params[k].data = params[k].data.clone()
+        elif event < 0.17 and opt.state.get(params[k]):
+            state = opt.state[params[k]]
+            key = events.choice(sorted(state.keys() - {"step"}))
+            state[key] = state[key] * 0.5
         opt.step()
     return opt, params
 
