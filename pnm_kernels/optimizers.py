@@ -277,15 +277,31 @@ def _put(state: dict, key, value) -> None:
     dict.__setitem__(state, key, value)
 
 
-def _tracked_state(state, fresh_entries=False) -> _OptimizerState:
-    """optimizer.state as a counted dict: one set by hand (optimizer.state = defaultdict(dict)
-    to restart), or load_state_dict's. Plain entries are kept as they are, so that a
-    reference to one still reaches the state (their parameters' lists are then not reused:
-    see _build_batch), unless they are fresh_entries (load_state_dict's), made counted."""
+def _references(holder: dict, key) -> int:
+    return sys.getrefcount(dict.get(holder, key))
+
+
+# What _references counts for an object only its holder holds (calibrated, not assumed:
+# the count of a call's own references differs between Python versions).
+_HELD_ONLY_THERE = _references({0: {}}, 0)
+
+
+def _counted_entry(state: dict, p):
+    """p's entry in an optimizer state, made a _ParamState if it is a plain dict no one else
+    holds (load_state_dict's, or optimizer.state[p] = {} by hand), so that its parameter's
+    lists may be reused. A plain dict the user still holds stays as it is: their edits
+    through it are then seen, its group being read afresh at every step."""
+    if type(state.get(p)) is dict and _references(state, p) == _HELD_ONLY_THERE:
+        _put(state, p, _ParamState(state[p]))
+    return state.get(p)
+
+
+def _tracked_state(state) -> _OptimizerState:
+    """optimizer.state made counted (load_state_dict's, or one set by hand: optimizer.state
+    = defaultdict(dict) to restart); its entries are made counted as they are read (see
+    _counted_entry)."""
     tracked = _OptimizerState()
     for param, entry in state.items():
-        if fresh_entries and type(entry) is dict:
-            entry = _ParamState(entry)
         _put(tracked, param, entry)
     return tracked
 
@@ -332,8 +348,7 @@ class _PositiveNegativeMomentum(Optimizer):
         for gi, group in enumerate(state_dict.get("param_groups", [])):
             _validate_group({**self.defaults, **group}, self._adaptive,
                             f"state_dict['param_groups'][{gi}]")
-        super().load_state_dict(state_dict)
-        self.state = _tracked_state(self.state, fresh_entries=True)
+        super().load_state_dict(state_dict)  # its state made counted by __setstate__
         _normalise_loaded_state(self)
 
     def add_param_group(self, param_group: dict) -> None:
@@ -547,6 +562,9 @@ class _PositiveNegativeMomentum(Optimizer):
         """Changes whenever a state entry may have been put in, replaced or taken out by
         anyone but the optimizer (whose new entries leave the lists built before valid)."""
         if type(self.state) is not _OptimizerState:  # optimizer.state = ... by hand
+            if _references(self.__dict__, "state") != _HELD_ONLY_THERE:
+                # The user still holds it, and may change it unseen: no list is reused.
+                return object()
             self.state = _tracked_state(self.state)
             self._drop_cached_batches()
         return self.__dict__.get("_state_epoch", 0), _state_changes
@@ -571,7 +589,7 @@ class _PositiveNegativeMomentum(Optimizer):
     def _state_for(self, p, names, group):
         """p's state with these buffers: made where missing, and converted where p was given
         new data since (see _follow)."""
-        state = self.state.get(p)
+        state = _counted_entry(self.state, p)
         if state is None:
             state = _ParamState()
             _put(self.state, p, state)
@@ -729,12 +747,12 @@ class _PositiveNegativeMomentum(Optimizer):
         device, dtype = item.params[0].device, item.params[0].dtype
         held, states, outside = [], [], []
         for p in group["params"]:
-            state = self.state.get(p)
+            state = _counted_entry(self.state, p)
             if not state:
                 outside.append(p)
                 continue
-            if not (type(state) is _ParamState and _holdable(p) and p.device == device and p.dtype == dtype
-                    and getattr(state.get("step"), "device", None) == device
+            if not (type(state) is _ParamState and _holdable(p) and p.device == device
+                    and p.dtype == dtype and getattr(state.get("step"), "device", None) == device
                     and all(name in state and _state_fits(state[name], p) for name in names)):
                 return None, ()
             held.append(p)

@@ -409,6 +409,58 @@ def test_state_changed_by_hand_is_what_the_next_step_reads(path, name, how):
     assert_states_close(opt, params, ref, ref_params)
 
 
+@pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
+@pytest.mark.parametrize("how", ["a plain dict", "a new optimizer.state", "load_state_dict"])
+@BOTH
+def test_state_put_in_by_hand_and_let_go_of_keeps_the_repeated_step(path, name, how,
+                                                                     monkeypatch):
+    """State put in by hand as plain dicts that only the optimizer then holds (a parameter
+    restarted with `opt.state[p] = {}`, a new `opt.state`, ZeroRedundancyOptimizer loading
+    a checkpoint entry by entry) costs one planned step; the steps after it repeat. One the
+    user still holds is read afresh at every step (see the test above)."""
+    params = make_params([(50,), (3, 3), (7,)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 2)
+    if how == "a plain dict":
+        opt.state[params[1]] = {}
+    elif how == "a new optimizer.state":
+        opt.state = collections.defaultdict(dict)
+    else:
+        opt.load_state_dict(opt.state_dict())
+    plans = []
+    plan = opt._plan
+    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    train(opt, params, 4, start=2)
+    assert len(plans) == 1
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_swapping_parameters_works_once_the_held_lists_are_let_go_of(path, name):
+    """The README's way for model.to() with swap_module_params_on_conversion: after
+    opt.load_state_dict(opt.state_dict()) nothing holds the parameters but the model and the
+    param groups, torch.utils.swap_tensors takes them, and the state follows the new dtype."""
+    model = torch.nn.Linear(4, 3).to(DEVICE)
+    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, backend=path)
+    x = torch.randn(2, 4, device=DEVICE)
+    for _ in range(2):
+        model(x).sum().backward()
+        opt.step()
+        opt.zero_grad()
+    opt.load_state_dict(opt.state_dict())
+    swapping = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model.to(torch.bfloat16)
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(swapping)
+    model(x.bfloat16()).sum().backward()
+    opt.step()
+    state = opt.state[model.weight]
+    assert state["step"].item() == 3
+    assert all(t.dtype == torch.bfloat16 for key, t in state.items() if key != "step")
+
+
 @BOTH
 def test_a_state_dict_loads_with_weights_only(name):
     """torch.load's default (weights_only=True) accepts the state_dict: plain containers,
