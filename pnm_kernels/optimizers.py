@@ -68,7 +68,7 @@ def _validate_group(group: dict, adaptive: bool, where: str) -> None:
             raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
                              f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
         if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
-            _check_real(where, "lr", float(lr), low=0.0)
+            _check_real(where, "lr", float(lr.detach()), low=0.0)
     else:
         _check_real(where, "lr", lr, low=0.0)
     betas = group["betas"]
@@ -383,9 +383,13 @@ class _PositiveNegativeMomentum(Optimizer):
         (a numpy scalar reached the Triton kernels as a type they refuse, and the reference
         computed in its precision); a tensor lr stays a tensor."""
         betas, lr = group["betas"], group["lr"]
-        hp = dict(lr=lr if isinstance(lr, torch.Tensor) else float(lr), beta1=float(betas[0]),
-                  beta0=float(betas[-1]), weight_decay=float(group["weight_decay"]),
-                  decoupled=group["decoupled"], maximize=group["maximize"])
+        if isinstance(lr, torch.Tensor):
+            lr = lr.detach() if lr.requires_grad else lr  # its value only: float() then quiet
+        else:
+            lr = float(lr)
+        hp = dict(lr=lr, beta1=float(betas[0]), beta0=float(betas[-1]),
+                  weight_decay=float(group["weight_decay"]), decoupled=group["decoupled"],
+                  maximize=group["maximize"])
         if self._adaptive:
             hp.update(beta2=float(betas[1]), eps=float(group["eps"]), amsgrad=group["amsgrad"])
         return hp

@@ -6,6 +6,7 @@ import io
 import math
 import pickle
 import random
+import warnings
 
 import pytest
 import torch
@@ -132,6 +133,29 @@ def test_lr_scheduler_and_tensor_lr(path, name):
             s.step()
     assert_states_close(opt, params, ref, ref_params)
     assert float(opt.param_groups[0]["lr"]) == pytest.approx(0.01 * 0.5**3)
+
+
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@BOTH
+def test_an_lr_that_requires_grad_is_used_by_value_without_warnings(path, name):
+    """A learned lr (a tensor that requires grad) steps as its value, with no warning about
+    converting it to a number, and gets no gradient history from the step."""
+    params = make_params([(20,), (3,)])
+    ref_params = clone_params(params)
+    lr = torch.tensor(0.01, requires_grad=True)
+    warn_always = torch.is_warn_always_enabled()
+    torch.set_warn_always(True)  # torch warns of this once a process otherwise
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            opt = OPTIMIZERS[name](params, lr=lr, backend=path)
+            train(opt, params, 3)
+    finally:
+        torch.set_warn_always(warn_always)
+    ref = OPTIMIZERS[name](ref_params, lr=0.01, backend="reference")
+    train(ref, ref_params, 3)
+    assert_states_close(opt, params, ref, ref_params)
+    assert lr.grad is None and all(p.grad_fn is None for p in params)
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
