@@ -79,6 +79,7 @@ SANITIZER="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sa
 stage memcheck 80 "$SANITIZER" --tool memcheck --error-exitcode 3 python3 "$WORK/sanitize_step.py"
 stage gpt_fsdp2 100 python3 benchmarks/gpt_fsdp2.py --steps 20 --warmup 3
 stage missing_grads 40 python3 benchmarks/missing_grads.py --device cuda --steps 30
+stage dtensor_step 30 python3 benchmarks/dtensor_step.py --device cuda
 # Last, within what is left of the deadline. The benchmarks above measure the shipped launch
 # configuration; to try the tuning's choices, run bench_step.py --triton-configs
 # tune_triton.json (runs 3 and 4 of 2026-11-26 did: they were not faster there).

@@ -121,6 +121,14 @@ def _holdable(p) -> bool:
     return _is_plain(p) and not p.is_complex() and p.is_contiguous()
 
 
+def _shard_holdable(p) -> bool:
+    """A DTensor (FSDP2) whose local shard is holdable: a cached batch may hold the shard,
+    checked again at every step (see _batch); the repeated step, whose C++ lists read the
+    gradients themselves, never holds it (a DTensor's gradient is not its shard's)."""
+    shard = _local(p)
+    return shard is not p and _holdable(shard)
+
+
 def _pick(params, grads, indices):
     """The parameters and gradients at these indices (the lists themselves when all)."""
     if len(indices) == len(params):
@@ -531,6 +539,12 @@ class _PositiveNegativeMomentum(Optimizer):
         are new each step."""
         group, backend, params = item.group, item.backend, item.params
         cached = self._cached_batch(group, backend, item.ids)
+        grads = item.grads
+        if cached is not None and cached.memo.get("shards"):
+            if all(map(operator.is_, map(_local, params), cached.params)):
+                grads = list(map(_local, grads))
+            else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)
+                cached = None
         if (cached is not None and item.origin is None
                 and not _backends.held_lists_ok(cached)):
             # A parameter was given new data (p.data = ...) of another dtype, shape or
@@ -541,13 +555,14 @@ class _PositiveNegativeMomentum(Optimizer):
         if cached is not None:
             layout_ok = item.layout_ok
             if layout_ok is None:
-                layout_ok = all(g.is_contiguous() for g in item.grads)
+                layout_ok = all(g.is_contiguous() for g in grads)
             if layout_ok:
-                return Batch(cached.params, item.grads, cached.buffers, cached.steps,
+                return Batch(cached.params, grads, cached.buffers, cached.steps,
                              cached.memo), []
         names = self._buffers_needed(group)
         batch, writebacks, counted = self._build_batch(group, backend, params, names)
-        simple = counted and not writebacks and all(map(_holdable, params))
+        shards = not all(map(_holdable, params))
+        simple = counted and not writebacks and (not shards or all(map(_shard_holdable, params)))
         if simple and backend in _backends.FLAT_BACKENDS:
             cache = self.__dict__.setdefault("_batch_cache", {})
             version = self._state_version()
@@ -555,7 +570,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 del cache[key]  # stale: holds tensors the state may have replaced
             if len(cache) > 64:
                 cache.clear()
-            batch.memo = {}
+            batch.memo = {"shards": True} if shards else {}
             # Cached without this step's gradients: holding them would keep a whole set of
             # gradients alive after zero_grad() (a model's worth of GPU memory).
             held = Batch(batch.params, [], batch.buffers, batch.steps, batch.memo)
@@ -727,7 +742,8 @@ class _PositiveNegativeMomentum(Optimizer):
             return
         entries = []
         for item, batch, group in zip(plan, batches, groups):
-            if item.group is not group or item.backend != "fused" or batch.memo is None:
+            if (item.group is not group or item.backend != "fused" or batch.memo is None
+                    or batch.memo.get("shards")):
                 return
             lists, outside = batch.memo.get("step_lists"), ()
             if len(item.params) != len(group["params"]):

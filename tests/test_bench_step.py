@@ -119,3 +119,15 @@ def test_missing_gradients_script_prints_both_optimizers_for_each_fraction(capsy
                                                      "| 95%, always the same (frozen)"]
     assert all(float(r.split(" | ")[1]) > 0 and float(r.split(" | ")[2].rstrip(" |")) > 0
                for r in rows[1:])
+
+
+def test_dtensor_step_script_times_each_optimizer_and_leaves_no_process_group(capsys):
+    import torch.distributed as dist
+
+    import dtensor_step
+    dtensor_step.main(["--layers", "3", "--steps", "1"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
+    assert [r.split(" | ")[0] for r in rows[1:]] == [
+        "| AdaPNM fused", "| torch Adam-AMSGrad fused", "| torch Adam-AMSGrad foreach"]
+    assert all(float(r.split(" | ")[1].rstrip(" |")) > 0 for r in rows[1:])
+    assert not dist.is_initialized()
