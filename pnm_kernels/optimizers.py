@@ -129,6 +129,24 @@ def _shard_holdable(p) -> bool:
     return shard is not p and _holdable(shard)
 
 
+_shard_of = operator.attrgetter("_local_tensor")  # a DTensor's (see _local)
+_shape_of = operator.attrgetter("shape")
+
+
+def _shards_match(params, grads, check) -> bool:
+    """For DTensor parameters and gradients (FSDP2), without a Python loop over them: the
+    same global shapes, and local shards that the C++ `check` finds alike (dtype, device,
+    shape, dense layout). False where any of that is not so, or not all are DTensors: the
+    per-parameter checks then say what is wrong."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return False
+    is_a = itertools.repeat(dtensor.DTensor)
+    return (all(map(isinstance, params, is_a)) and all(map(isinstance, grads, is_a))
+            and all(map(operator.eq, map(_shape_of, params), map(_shape_of, grads)))
+            and check(list(map(_shard_of, params)), list(map(_shard_of, grads)), True) < 0)
+
+
 def _pick(params, grads, indices):
     """The parameters and gradients at these indices (the lists themselves when all)."""
     if len(indices) == len(params):
@@ -514,6 +532,10 @@ class _PositiveNegativeMomentum(Optimizer):
                     layouts.append(True)
                     continue
                 rest, layout = idx[bad:], False  # the Python checks below say why
+            elif check is not None and _shards_match([params[i] for i in idx],
+                                                     [grads[i] for i in idx], check):
+                layouts.append(True)
+                continue
             else:
                 rest, layout = idx, None
             for pi in rest:
@@ -540,9 +562,9 @@ class _PositiveNegativeMomentum(Optimizer):
         group, backend, params = item.group, item.backend, item.params
         cached = self._cached_batch(group, backend, item.ids)
         grads = item.grads
-        if cached is not None and cached.memo.get("shards"):
-            if all(map(operator.is_, map(_local, params), cached.params)):
-                grads = list(map(_local, grads))
+        if cached is not None and cached.memo.get("shards"):  # its params are all DTensors
+            if all(map(operator.is_, map(_shard_of, params), cached.params)):
+                grads = list(map(_shard_of if item.layout_ok else _local, grads))
             else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)
                 cached = None
         if (cached is not None and item.origin is None

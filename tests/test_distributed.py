@@ -205,3 +205,40 @@ def test_fsdp2_steps_hold_their_shards_and_follow_new_ones(one_rank, path, name)
         torch.testing.assert_close(p, q)
     if path != "foreach":  # the flat backends' lists, built before and after the new shards
         assert builds == 2
+
+
+def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
+    """Three steps, then one where a gradient's local shard is not contiguous and another
+    gradient is a plain tensor (a DTensor parameter's gradient set by hand), then two more."""
+    from torch.distributed.tensor import DTensor
+
+    model = _model()
+    _shard(model, ranks=1)
+    params = list(model.parameters())
+    opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend=backend)
+    xs, ys = _data()
+    _train(model, opt, xs, ys, range(3))
+    gen = torch.Generator().manual_seed(5)
+    for p in params:
+        p.grad = DTensor.from_local(torch.randn(p.shape, generator=gen), p.device_mesh,
+                                    p.placements)
+    weight = params[2]
+    transposed = torch.randn(tuple(reversed(weight.shape)), generator=gen).t()
+    weight.grad = DTensor.from_local(transposed, weight.device_mesh, weight.placements)
+    params[1].grad = torch.randn(params[1].shape, generator=gen)
+    opt.step()
+    _train(model, opt, xs, ys, range(2))
+    return [p.full_tensor().detach() for p in params]
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_fsdp2_gradients_unlike_their_shards_are_taken_as_the_reference_takes_them(
+        one_rank, path, name):
+    """The gradients of DTensor parameters are checked without a Python loop where they are
+    DTensors laid out like their parameters' shards; a gradient that is not (a transposed
+    local shard, a plain tensor) is looked at closely and stepped as by the reference."""
+    got = _one_rank_fsdp2_steps_with_odd_gradients(name, path)
+    expected = _one_rank_fsdp2_steps_with_odd_gradients(name, "reference")
+    for p, q in zip(got, expected):
+        torch.testing.assert_close(p, q)
