@@ -167,29 +167,38 @@ def test_two_ranks_match_single_process_training(mode, name):
 
 @pytest.fixture
 def one_rank():
-    """A process group of this process alone (a HashStore: no port)."""
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    """A process group of this process alone (a HashStore: no port); NCCL too with a GPU."""
+    backend = "cpu:gloo,cuda:nccl" if torch.cuda.is_available() else "gloo"
+    dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1)
     yield
     dist.destroy_process_group()
+
+
+# The one-rank tests run on every device there is (FAST_PATHS is the device's too).
+ONE_RANK_DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _one_rank_model():
+    model = _model().to(ONE_RANK_DEVICE)
+    _shard(model, device_type=ONE_RANK_DEVICE, ranks=1)
+    return model, [t.to(ONE_RANK_DEVICE) for t in _data()]
 
 
 def _one_rank_fsdp2_training(name, backend):
     """Two steps of an FSDP2 model, then model.double().float() (FSDP2 then gives every
     parameter a new local shard), then two more. Returns the parameters and how many times
     the optimizer built its kernel lists."""
-    model = _model()
-    _shard(model, ranks=1)
+    model, (xs, ys) = _one_rank_model()
     opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
     builds = []
     build = opt._build_batch
     opt._build_batch = lambda *a, **k: builds.append(1) or build(*a, **k)
-    xs, ys = _data()
     _train(model, opt, xs, ys, range(2))
     shards = [p.to_local() for p in model.parameters()]
     model.double().float()
     assert all(p._local_tensor is not s for p, s in zip(model.parameters(), shards))
     _train(model, opt, xs, ys, range(2, STEPS))
-    return [p.full_tensor().detach() for p in model.parameters()], len(builds)
+    return [p.full_tensor().detach().cpu() for p in model.parameters()], len(builds)
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
@@ -212,23 +221,24 @@ def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
     gradient is a plain tensor (a DTensor parameter's gradient set by hand), then two more."""
     from torch.distributed.tensor import DTensor
 
-    model = _model()
-    _shard(model, ranks=1)
+    model, (xs, ys) = _one_rank_model()
     params = list(model.parameters())
     opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend=backend)
-    xs, ys = _data()
     _train(model, opt, xs, ys, range(3))
     gen = torch.Generator().manual_seed(5)
+
+    def randn(*shape):
+        return torch.randn(shape, generator=gen).to(ONE_RANK_DEVICE)
+
     for p in params:
-        p.grad = DTensor.from_local(torch.randn(p.shape, generator=gen), p.device_mesh,
-                                    p.placements)
+        p.grad = DTensor.from_local(randn(*p.shape), p.device_mesh, p.placements)
     weight = params[2]
-    transposed = torch.randn(tuple(reversed(weight.shape)), generator=gen).t()
+    transposed = randn(*reversed(weight.shape)).t()
     weight.grad = DTensor.from_local(transposed, weight.device_mesh, weight.placements)
-    params[1].grad = torch.randn(params[1].shape, generator=gen)
+    params[1].grad = randn(*params[1].shape)
     opt.step()
     _train(model, opt, xs, ys, range(2))
-    return [p.full_tensor().detach() for p in params]
+    return [p.full_tensor().detach().cpu() for p in params]
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
