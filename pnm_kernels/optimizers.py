@@ -503,11 +503,11 @@ class _PositiveNegativeMomentum(Optimizer):
                 batches[key] = (backend, [], [True])
             batches[key][1].append(pi)
             if not _is_plain(p) or type(p.grad) is not torch.Tensor:
-                batches[key][2][0] = False  # tensor subclasses (DTensor) stay out of the C++ check
+                batches[key][2][0] = False  # subclasses: DTensors are checked by _shards_match
         out = []
         for (device, dtype), (backend, idx, plain) in batches.items():
-            # "auto" may depend on the batch's size; only plain tensors, whose lists are held
-            # in C++ between steps, were measured (DTensor batches are not cached).
+            # "auto" may depend on the batch's size, as measured for batches of plain
+            # tensors; a DTensor batch keeps what "auto" picks without a size.
             if group["backend"] == "auto" and backend == "fused" and plain[0]:
                 numel = sum(group["params"][pi].numel() for pi in idx)
                 backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel)
