@@ -27,8 +27,10 @@ def _data():
 
 
 def _model():
+    """31 hidden units: FSDP2 shards them unevenly over two ranks (16 and 15 rows, the
+    second shard padded)."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.Tanh(), torch.nn.Linear(32, 4))
+    return torch.nn.Sequential(torch.nn.Linear(16, 31), torch.nn.Tanh(), torch.nn.Linear(31, 4))
 
 
 def _make_opt(name, params, device="cpu", zero=False):
