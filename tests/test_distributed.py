@@ -83,10 +83,17 @@ def _worker(rank, mode, name, workdir, port):
         if mode.startswith("ddp"):
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[rank] if nccl else None)
-            opt = _make_opt(name, model.parameters(), device, zero=mode == "ddp-zero")
-            _train(model, opt, xs, ys, range(STEPS), rank)
-            if mode == "ddp-zero":  # this rank's optimizer holds state for its share only
+            zero = mode.startswith("ddp-zero")
+            opt = _make_opt(name, model.parameters(), device, zero=zero)
+            if mode == "ddp-zero-resumed":
+                opt = _zero_checkpoint_round_trip(model, opt, name, xs, ys, rank, workdir)
+                _train(model, opt, xs, ys, range(STEPS // 2, STEPS), rank)
+            else:
+                _train(model, opt, xs, ys, range(STEPS), rank)
+            if zero:  # this rank's optimizer holds state for its share only
                 assert 0 < len(opt.optim.state) < len(list(model.parameters()))
+                # the plain dicts ZeRO loaded were made counted: the steps could repeat
+                assert all(type(e).__name__ == "_ParamState" for e in opt.optim.state.values())
             full = [p.detach().cpu() for p in model.parameters()]
         else:
             _shard(model, offload=mode == "fsdp-offload", device_type=device.type)
@@ -132,6 +139,21 @@ def _shard(model, offload=False, device_type="cpu", ranks=WORLD):
     fully_shard(model, **policy)
 
 
+def _zero_checkpoint_round_trip(model, opt, name, xs, ys, rank, workdir):
+    """Half the steps, then ZeroRedundancyOptimizer's consolidated state_dict saved by rank
+    0 and loaded by every rank into a fresh one (it puts each entry of its share into the
+    PNM/AdaPNM state as a plain dict), which it returns."""
+    _train(model, opt, xs, ys, range(STEPS // 2), rank)
+    opt.consolidate_state_dict(to=0)
+    path = os.path.join(workdir, "zero.pt")
+    if rank == 0:
+        torch.save(opt.state_dict(), path)
+    dist.barrier()
+    fresh = _make_opt(name, model.parameters(), xs.device, zero=True)
+    fresh.load_state_dict(torch.load(path))
+    return fresh
+
+
 def _checkpoint_round_trip(model, opt, name, workdir):
     """Save model and optimizer with DCP, then continue in a fresh model and optimizer."""
     import torch.distributed.checkpoint as dcp
@@ -151,8 +173,8 @@ def _checkpoint_round_trip(model, opt, name, workdir):
     return fresh, fresh_opt
 
 
-@pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "fsdp", "fsdp-dcp", "fsdp-offload",
-                                  "ddp-nccl", "fsdp-nccl"])
+@pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "ddp-zero-resumed", "fsdp", "fsdp-dcp",
+                                  "fsdp-offload", "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
     if mode.endswith("-nccl") and not (dist.is_nccl_available()
