@@ -2,7 +2,9 @@
 gloo on the CPU and over NCCL on two GPUs: training matches single-process training, the
 optimizer updates local shards without gathering, and torch.distributed.checkpoint saves and
 restores PNM/AdaPNM state so training resumes exactly."""
+import copy
 import os
+import random
 import sys
 import tempfile
 
@@ -274,5 +276,62 @@ def test_fsdp2_gradients_unlike_their_shards_are_taken_as_the_reference_takes_th
     local shard, a plain tensor) is looked at closely and stepped as by the reference."""
     got = _one_rank_fsdp2_steps_with_odd_gradients(name, path)
     expected = _one_rank_fsdp2_steps_with_odd_gradients(name, "reference")
+    for p, q in zip(got, expected):
+        torch.testing.assert_close(p, q)
+
+
+def _one_rank_fsdp2_steps_with_random_events(name, backend, seed, steps=40):
+    """Steps of a three-layer FSDP2 model in two param groups in which, at random, a fifth of
+    the gradients are missing and, now and then, an lr is scaled, AMSGrad switched, a
+    parameter's state deleted or a buffer of it replaced, the state_dict reloaded, or every
+    parameter given a new shard (model.double().float())."""
+    from torch.distributed.tensor import DTensor
+
+    events = random.Random(seed)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(5, 7), torch.nn.Linear(7, 3),
+                                torch.nn.Linear(3, 2)).to(ONE_RANK_DEVICE)
+    _shard(model, device_type=ONE_RANK_DEVICE, ranks=1)
+    params = list(model.parameters())
+    opt = OPTIMIZERS[name]([dict(params=params[:3]), dict(params=params[3:], weight_decay=0.1)],
+                           lr=1e-2, backend=backend)
+    gen = torch.Generator().manual_seed(seed)
+    for _ in range(steps):
+        for p in params:
+            local = torch.randn(p.shape, generator=gen).to(ONE_RANK_DEVICE)
+            p.grad = None if events.random() < 0.2 else DTensor.from_local(
+                local, p.device_mesh, p.placements)
+        event, k = events.random(), events.randrange(len(params))
+        group = opt.param_groups[events.randrange(2)]
+        if event < 0.05:
+            group["lr"] *= 0.7
+        elif event < 0.08 and name == "AdaPNM":
+            group["amsgrad"] = not group["amsgrad"]
+        elif event < 0.11:
+            opt.state.pop(params[k], None)
+        elif event < 0.14:
+            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        elif event < 0.17:
+            grads = [p.grad for p in params]
+            model.double().float()  # new shards; the conversion drops the gradients
+            for p, grad in zip(params, grads):
+                p.grad = grad
+        elif event < 0.20 and opt.state.get(params[k]):
+            state = opt.state[params[k]]
+            key = events.choice(sorted(state.keys() - {"step"}))
+            state[key] = state[key] * 0.5
+        opt.step()
+    return [p.full_tensor().detach().cpu() for p in params]
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("seed", [0, 5])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_fsdp2_any_sequence_of_user_events_gives_the_references_steps(one_rank, path, name,
+                                                                       seed):
+    """Whatever happens between FSDP2 steps, in whatever order, the fast paths (their held
+    shard lists included) give what the reference gives."""
+    got = _one_rank_fsdp2_steps_with_random_events(name, path, seed)
+    expected = _one_rank_fsdp2_steps_with_random_events(name, "reference", seed)
     for p, q in zip(got, expected):
         torch.testing.assert_close(p, q)
