@@ -1,5 +1,6 @@
 """Shared helpers. Without a GPU, Triton kernels run under the interpreter on CPU tensors;
 TRITON_INTERPRET must be set before triton.jit decorates them, so it is set here."""
+import copy
 import os
 
 import pytest
@@ -116,3 +117,27 @@ def assert_states_close(opt_a, params_a, opt_b, params_b, **tol):
         assert sa.keys() == sb.keys(), f"param {i}: state keys {sa.keys()} vs {sb.keys()}"
         for key in sa:
             torch.testing.assert_close(sa[key], sb[key], msg=lambda m: f"param {i} {key}: {m}", **tol)
+
+
+def user_event(opt, params, events, name):
+    """One thing users do between steps, drawn at random from `events` (or nothing): an lr
+    scaled, AMSGrad or decoupled decay switched, a parameter's state deleted or a buffer of
+    it replaced, the state_dict reloaded. Returns the draw in [0, 1) and the parameter index
+    drawn, for the caller's own events, which take draws from 0.16 up."""
+    event, k = events.random(), events.randrange(len(params))
+    group = opt.param_groups[events.randrange(len(opt.param_groups))]
+    if event < 0.05:
+        group["lr"] *= 0.7
+    elif event < 0.08 and name == "AdaPNM":
+        group["amsgrad"] = not group["amsgrad"]
+    elif event < 0.10:
+        opt.state.pop(params[k], None)
+    elif event < 0.12:
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+    elif event < 0.14:
+        group["decoupled"] = not group["decoupled"]
+    elif event < 0.16 and opt.state.get(params[k]):
+        state = opt.state[params[k]]
+        key = events.choice(sorted(state.keys() - {"step"}))
+        state[key] = state[key] * 0.5
+    return event, k

@@ -2,7 +2,6 @@
 gloo on the CPU and over NCCL on two GPUs: training matches single-process training, the
 optimizer updates local shards without gathering, and torch.distributed.checkpoint saves and
 restores PNM/AdaPNM state so training resumes exactly."""
-import copy
 import os
 import random
 import sys
@@ -13,7 +12,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from conftest import FAST_PATHS
+from conftest import FAST_PATHS, user_event
 from pnm_kernels import PNM, AdaPNM
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -282,9 +281,8 @@ def test_fsdp2_gradients_unlike_their_shards_are_taken_as_the_reference_takes_th
 
 def _one_rank_fsdp2_steps_with_random_events(name, backend, seed, steps=40):
     """Steps of a three-layer FSDP2 model in two param groups in which, at random, a fifth of
-    the gradients are missing and, now and then, an lr is scaled, AMSGrad switched, a
-    parameter's state deleted or a buffer of it replaced, the state_dict reloaded, or every
-    parameter given a new shard (model.double().float())."""
+    the gradients are missing and, now and then, a user_event happens or every parameter is
+    given a new shard (model.double().float())."""
     from torch.distributed.tensor import DTensor
 
     events = random.Random(seed)
@@ -301,25 +299,12 @@ def _one_rank_fsdp2_steps_with_random_events(name, backend, seed, steps=40):
             local = torch.randn(p.shape, generator=gen).to(ONE_RANK_DEVICE)
             p.grad = None if events.random() < 0.2 else DTensor.from_local(
                 local, p.device_mesh, p.placements)
-        event, k = events.random(), events.randrange(len(params))
-        group = opt.param_groups[events.randrange(2)]
-        if event < 0.05:
-            group["lr"] *= 0.7
-        elif event < 0.08 and name == "AdaPNM":
-            group["amsgrad"] = not group["amsgrad"]
-        elif event < 0.11:
-            opt.state.pop(params[k], None)
-        elif event < 0.14:
-            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        elif event < 0.17:
+        event, _ = user_event(opt, params, events, name)
+        if 0.16 <= event < 0.20:
             grads = [p.grad for p in params]
             model.double().float()  # new shards; the conversion drops the gradients
             for p, grad in zip(params, grads):
                 p.grad = grad
-        elif event < 0.20 and opt.state.get(params[k]):
-            state = opt.state[params[k]]
-            key = events.choice(sorted(state.keys() - {"step"}))
-            state[key] = state[key] * 0.5
         opt.step()
     return [p.full_tensor().detach().cpu() for p in params]
 

@@ -13,7 +13,7 @@ import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
-                      grads_for_step, make_params, train, with_reference)
+                      grads_for_step, make_params, train, user_event, with_reference)
 from pnm_kernels import PNM, AdaPNM, available_backends
 from pnm_kernels import _backends
 from pnm_kernels.reference import noise_norm
@@ -1069,24 +1069,9 @@ def _steps_with_random_events(name, backend, seed, steps=80):
     for t in range(steps):
         for p, g in zip(params, grads_for_step(params, t, seed)):
             p.grad = None if events.random() < 0.25 else g
-        event, group = events.random(), opt.param_groups[events.randrange(3)]
-        k = events.randrange(len(params))
-        if event < 0.05:
-            group["lr"] *= 0.7
-        elif event < 0.08 and name == "AdaPNM":
-            group["amsgrad"] = not group["amsgrad"]
-        elif event < 0.10:
-            opt.state.pop(params[k], None)
-        elif event < 0.12:
-            opt.load_state_dict(copy.deepcopy(opt.state_dict()))
-        elif event < 0.14:
-            group["decoupled"] = not group["decoupled"]
-        elif event < 0.15:
+        event, k = user_event(opt, params, events, name)
+        if 0.16 <= event < 0.18:
             params[k].data = params[k].data.clone()
-        elif event < 0.17 and opt.state.get(params[k]):
-            state = opt.state[params[k]]
-            key = events.choice(sorted(state.keys() - {"step"}))
-            state[key] = state[key] * 0.5
         opt.step()
     return opt, params
 
