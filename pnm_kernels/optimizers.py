@@ -294,7 +294,10 @@ class _OptimizerState(_CountsChanges, defaultdict):
     __slots__ = ()
 
     def __missing__(self, param):  # optimizer.state[p] before p has state, as in torch
-        entry = self[param] = _ParamState()
+        # Not counted: an empty entry is no state (a step treats p as without state, and
+        # what is put into the entry is counted), so reading it costs no planned step.
+        entry = _ParamState()
+        _put(self, param, entry)
         return entry
 
 
