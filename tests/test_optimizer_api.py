@@ -486,6 +486,26 @@ def test_swapping_parameters_works_once_the_held_lists_are_let_go_of(path, name)
     assert all(t.dtype == torch.bfloat16 for key, t in state.items() if key != "step")
 
 
+@pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
+@BOTH
+def test_reading_the_state_between_steps_keeps_the_repeated_step(path, name, monkeypatch):
+    """Logging code that reads opt.state[p] of every parameter, one without a gradient (and
+    so without state) included, costs no planned step; that parameter still gets its state
+    when it gets a gradient."""
+    params = make_params([(50,), (3, 3), (7,)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    frozen = params[2]
+    plans = []
+    plan = opt._plan
+    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    for t in range(4):
+        train(opt, params[:2], 1, start=t)
+        assert [len(opt.state[p]) for p in params] == [len(opt.state[params[0]])] * 2 + [0]
+    assert len(plans) == 1
+    train(opt, params, 1, start=4)
+    assert opt.state[frozen]["step"].item() == 1 and len(plans) == 2
+
+
 @BOTH
 def test_a_state_dict_loads_with_weights_only(name):
     """torch.load's default (weights_only=True) accepts the state_dict: plain containers,
