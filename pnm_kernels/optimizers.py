@@ -328,11 +328,8 @@ def _counted_entry(state: dict, p):
 def _tracked_state(state) -> _OptimizerState:
     """optimizer.state made counted (load_state_dict's, or one set by hand: optimizer.state
     = defaultdict(dict) to restart); its entries are made counted as they are read (see
-    _counted_entry)."""
-    tracked = _OptimizerState()
-    for param, entry in state.items():
-        _put(tracked, param, entry)
-    return tracked
+    _counted_entry). Built by dict's own update, which counts nothing."""
+    return _OptimizerState(None, state)
 
 
 def _plain_state_entries(optimizer, state_dict):
