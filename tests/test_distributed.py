@@ -209,6 +209,34 @@ def _one_rank_model():
     return model, [t.to(ONE_RANK_DEVICE) for t in _data()]
 
 
+def _one_rank_ddp_training(name, backend, as_bucket_views):
+    """Six steps of a DDP model, zero_grad(set_to_none=True) before every third."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, gradient_as_bucket_view=as_bucket_views)
+    opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(6):
+        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        opt.zero_grad(set_to_none=t % 3 == 0)
+        torch.nn.functional.mse_loss(ddp(x.to(ONE_RANK_DEVICE)), y.to(ONE_RANK_DEVICE)).backward()
+        opt.step()
+    grads_share_a_bucket = len({p.grad.untyped_storage().data_ptr() for p in model.parameters()}) == 1
+    return [p.detach().cpu() for p in model.parameters()], grads_share_a_bucket
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_ddp_gradients_as_views_of_its_bucket_match_the_reference(one_rank, path, name):
+    """DDP(gradient_as_bucket_view=True), a common memory saving: every gradient is a view
+    into one flat bucket (at offsets that are not all 16-byte aligned: 31 hidden units), and
+    set_to_none=True makes DDP hand out the views again. The steps match the reference."""
+    got, grads_share_a_bucket = _one_rank_ddp_training(name, path, as_bucket_views=True)
+    expected, _ = _one_rank_ddp_training(name, "reference", as_bucket_views=False)
+    assert grads_share_a_bucket
+    for p, q in zip(got, expected):
+        torch.testing.assert_close(p, q)
+
+
 def _one_rank_fsdp2_training(name, backend):
     """Two steps of an FSDP2 model, then model.double().float() (FSDP2 then gives every
     parameter a new local shard), then two more. Returns the parameters and how many times

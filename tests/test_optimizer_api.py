@@ -937,6 +937,38 @@ def test_clipping_set_to_none_false_and_freezing_mid_training(path, name):
     assert_states_close(o, list(m.parameters()), ro, list(rm.parameters()))
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_one_optimizer_per_parameter_stepped_inside_backward(path, name):
+    """The optimizer-in-backward pattern (torch's "fuse the optimizer step into the backward
+    pass"): one optimizer per parameter, stepped and zeroed by a post-accumulate-grad hook
+    while autograd is still running, so no parameter's gradient outlives its step. The
+    parameters and every state buffer end as with the reference."""
+    runs = []
+    for backend in (path, "reference"):
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Tanh(), torch.nn.Linear(5, 2)).to(DEVICE)
+        opts = {p: OPTIMIZERS[name]([p], lr=1e-2, weight_decay=0.1, backend=backend)
+                for p in model.parameters()}
+
+        def step_now(p):
+            opts[p].step()
+            opts[p].zero_grad()
+
+        for p in model.parameters():
+            p.register_post_accumulate_grad_hook(step_now)
+        gen = torch.Generator().manual_seed(1)
+        for _ in range(6):
+            x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 2, generator=gen)
+            torch.nn.functional.mse_loss(model(x.to(DEVICE)), y.to(DEVICE)).backward()
+        assert all(p.grad is None for p in model.parameters())
+        runs.append((list(model.parameters()), opts))
+    (params, opts), (ref_params, ref_opts) = runs
+    for p, q in zip(params, ref_params):
+        assert opts[p].state[p]["step"].item() == 6
+        assert_states_close(opts[p], [p], ref_opts[q], [q])
+
+
 @pytest.mark.parametrize("native_check", [True, False], ids=["cpp-check", "python-check"])
 @BOTH
 def test_bad_gradient_after_cached_steps_is_still_caught(name, native_check, monkeypatch):
