@@ -53,8 +53,8 @@ def main(argv=None):
     parser.add_argument("--device", default="cpu")
     args = parser.parse_args(argv)
     cuda = args.device.startswith("cuda")
-    if cuda:
-        torch.cuda.set_device(args.device)
+    if cuda:  # set_device refuses "cuda" without an index
+        torch.cuda.set_device(torch.device(args.device).index or 0)
     dist.init_process_group("nccl" if cuda else "gloo", store=dist.HashStore(), rank=0,
                             world_size=1)
     try:

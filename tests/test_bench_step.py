@@ -9,6 +9,7 @@ import pytest
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_step  # noqa: E402
+from conftest import DEVICE  # noqa: E402
 
 
 def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
@@ -112,8 +113,9 @@ def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_
 
 
 def test_missing_gradients_script_prints_both_optimizers_for_each_fraction(capsys):
+    """On the test device: gpu_check.sh runs this script on CUDA."""
     import missing_grads
-    missing_grads.main(["--steps", "1", "--fractions", "0,0.5"])
+    missing_grads.main(["--steps", "1", "--fractions", "0,0.5", "--device", DEVICE])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == ["| 0%", "| 50%",
                                                      "| 95%, always the same (frozen)"]
@@ -122,10 +124,12 @@ def test_missing_gradients_script_prints_both_optimizers_for_each_fraction(capsy
 
 
 def test_dtensor_step_script_times_each_optimizer_and_leaves_no_process_group(capsys):
+    """On the test device: gpu_check.sh runs this script on CUDA (where it once asked
+    torch.cuda.set_device for "cuda", which needs an index)."""
     import torch.distributed as dist
 
     import dtensor_step
-    dtensor_step.main(["--layers", "3", "--steps", "1"])
+    dtensor_step.main(["--layers", "3", "--steps", "1", "--device", DEVICE])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == [
         "| AdaPNM fused", "| torch Adam-AMSGrad fused", "| torch Adam-AMSGrad foreach"]
