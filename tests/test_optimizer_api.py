@@ -370,6 +370,27 @@ def test_state_dict_round_trip_mid_run_is_bitwise(path, name):
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
+def test_named_parameters_are_taken_their_names_saved_and_resumed_from(path, name):
+    """optimizer(model.named_parameters()), as torch's optimizers take it: the names are in
+    the state_dict's groups, a fresh optimizer over the named parameters resumes from it,
+    and the steps are those of unnamed parameters (bitwise)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(6, 5), torch.nn.Linear(5, 2)).to(DEVICE)
+    unnamed = clone_params(list(model.parameters()))
+    opt_unnamed = OPTIMIZERS[name](unnamed, lr=1e-2, backend=path)
+    opt = OPTIMIZERS[name](model.named_parameters(), lr=1e-2, backend=path)
+    train(opt, list(model.parameters()), 3)
+    saved = copy.deepcopy(opt.state_dict())
+    assert saved["param_groups"][0]["param_names"] == ["0.weight", "0.bias", "1.weight", "1.bias"]
+    resumed = OPTIMIZERS[name](model.named_parameters(), lr=1e-2, backend=path)
+    resumed.load_state_dict(saved)
+    train(resumed, list(model.parameters()), 3, start=3)
+    train(opt_unnamed, unnamed, 6)
+    assert_states_close(resumed, list(model.parameters()), opt_unnamed, unnamed, atol=0, rtol=0)
+
+
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
 def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name):
     """The kernels' cached tensor lists follow load_state_dict: the loaded buffers and
     counters are the ones stepped, not those held from before."""
