@@ -123,13 +123,14 @@ def test_missing_gradients_script_prints_both_optimizers_for_each_fraction(capsy
                for r in rows[1:])
 
 
-def test_dtensor_step_script_times_each_optimizer_and_leaves_no_process_group(capsys):
+@pytest.mark.parametrize("missing", ["0", "0.5"])
+def test_dtensor_step_script_times_each_optimizer_and_leaves_no_process_group(capsys, missing):
     """On the test device: gpu_check.sh runs this script on CUDA (where it once asked
     torch.cuda.set_device for "cuda", which needs an index)."""
     import torch.distributed as dist
 
     import dtensor_step
-    dtensor_step.main(["--layers", "3", "--steps", "1", "--device", DEVICE])
+    dtensor_step.main(["--layers", "3", "--steps", "1", "--device", DEVICE, "--missing", missing])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| ")]
     assert [r.split(" | ")[0] for r in rows[1:]] == [
         "| AdaPNM fused", "| torch Adam-AMSGrad fused", "| torch Adam-AMSGrad foreach"]
