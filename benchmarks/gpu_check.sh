@@ -47,7 +47,9 @@ stage build 200 env TORCH_CUDA_ARCH_LIST="9.0" MAX_JOBS=16 python3 setup.py buil
   || { tail -30 "$WORK/build.log"; exit 1; }
 
 # --dist load: with loadfile, a crashed worker once ended the whole run in an xdist error.
-stage tests 170 python3 -m pytest tests -q -rfEs --tb=short -n 8 --dist load --max-worker-restart 100 \
+# -v: a line per test as it ends, so a run cut off by the stage's limit still names what
+# failed (the -rfEs summary comes only at the end).
+stage tests 200 python3 -m pytest tests -v -rfEs --tb=short -n 8 --dist load --max-worker-restart 100 \
   --timeout 150 -p no:cacheprovider
 tail -4 "$WORK/tests.log"
 
