@@ -49,7 +49,9 @@ class _HeldGroup:
 
 
 def _is_real_number(x) -> bool:
-    return isinstance(x, numbers.Real) and not isinstance(x, bool)
+    # float and int first: an isinstance check against the numbers.Real ABC costs ~0.2 µs,
+    # and a scheduler's new lr has every group validated again at each step.
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
 def _check_real(where, name, value, *, low, high=math.inf, high_open=False):
