@@ -244,10 +244,11 @@ def _tables(lists, steps, device, chunk, held=None, memo=None):
     ptrs = [t.data_ptr() for lst in lists for t in lst]
     step_ptrs = [s.data_ptr() for s in steps]
     key = (device, chunk, tuple(ptrs), tuple(step_ptrs), tuple(numels))
-    hit = _TABLE_CACHE.get(key)
-    if hit is not None:
+    try:  # one call each: an optimizer stepping in another thread may evict the key
         _TABLE_CACHE.move_to_end(key)
-        return hit
+        return _TABLE_CACHE[key]
+    except KeyError:
+        pass
     tables = _TABLE_CACHE[key] = _build_tables(ptrs, step_ptrs, numels, device, chunk)
     if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
         _TABLE_CACHE.popitem(last=False)
