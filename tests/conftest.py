@@ -121,9 +121,10 @@ def assert_states_close(opt_a, params_a, opt_b, params_b, **tol):
 
 def user_event(opt, params, events, name):
     """One thing users do between steps, drawn at random from `events` (or nothing): an lr
-    scaled, AMSGrad or decoupled decay switched, a parameter's state deleted or a buffer of
-    it replaced, the state_dict reloaded. Returns the draw in [0, 1) and the parameter index
-    drawn, for the caller's own events, which take draws from 0.16 up."""
+    scaled or switched between a float and a tensor, AMSGrad, decoupled decay or maximize
+    switched, weight decay or b0 changed, a parameter's state deleted or a buffer of it
+    replaced, the state_dict reloaded. Returns the draw in [0, 1) and the parameter index
+    drawn, for the caller's own events, which take draws from 0.24 up."""
     event, k = events.random(), events.randrange(len(params))
     group = opt.param_groups[events.randrange(len(opt.param_groups))]
     if event < 0.05:
@@ -140,4 +141,13 @@ def user_event(opt, params, events, name):
         state = opt.state[params[k]]
         key = events.choice(sorted(state.keys() - {"step"}))
         state[key] = state[key] * 0.5
+    elif 0.16 <= event < 0.18:
+        group["weight_decay"] = events.choice([0.0, 0.05, 0.2])
+    elif event < 0.20:
+        group["maximize"] = not group["maximize"]
+    elif event < 0.22:
+        group["betas"] = (*group["betas"][:-1], events.choice([1.0, 0.0, -0.4, 2.0]))
+    elif event < 0.24:
+        lr = group["lr"]
+        group["lr"] = float(lr) if torch.is_tensor(lr) else torch.tensor(lr)
     return event, k
