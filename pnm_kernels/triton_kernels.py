@@ -297,7 +297,15 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
         return
     device, dtype = params[0].device, params[0].dtype
     amsgrad = adaptive and hp["amsgrad"]
-    lists = [params, batch.grads] + batch.buffers[: (4 if amsgrad else 3) if adaptive else 2]
+    needed = (4 if amsgrad else 3) if adaptive else 2
+    lists = [params, batch.grads] + batch.buffers[:needed]
+    # The kernels check nothing and read every list through one pointer table: a missing
+    # list or entry would have them read past it (the fused op checks this itself).
+    if len(lists) != 2 + needed or any(len(lst) != len(params) for lst in lists + [batch.steps]):
+        raise RuntimeError(
+            f"pnm_kernels (backend='triton'): a batch of {len(params)} params needs as many "
+            f"gradients, step counters and {needed} lists of state buffers; got "
+            f"{len(batch.grads)}, {len(batch.steps)} and {[len(b) for b in batch.buffers]}")
     config = launch_config(device, dtype, adaptive)
     chunk = config.block * config.iters
     held = None if torch.compiler.is_compiling() else step_lists(batch)

@@ -263,3 +263,29 @@ def test_a_triton_step_is_one_launch_that_also_counts_the_steps(name, monkeypatc
     assert all(kwargs["COUNT_STEPS"] for _, _, kwargs in launched)
     # one counter per cached batch (steps that skip parameters make other batches)
     assert all(args[10].tolist() == [0] for _, args, _ in launched)
+
+
+@pytest.mark.parametrize("missing", ["a buffer list", "a step counter", "a gradient"])
+def test_the_triton_step_refuses_lists_it_would_read_past(missing):
+    """The Triton kernels check nothing and read every list through one table of pointers:
+    a batch lacking a list or an entry (a bug upstream) is refused before any launch,
+    instead of reading memory past the table."""
+    pytest.importorskip("triton")
+    from pnm_kernels import triton_kernels
+    from pnm_kernels._backends import Batch
+
+    params = [torch.zeros(5, device=DEVICE), torch.zeros(3, device=DEVICE)]
+    like = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
+    batch = Batch(params, like(), [like(), like(), like(), like()],
+                  [torch.zeros((), device=DEVICE) for _ in params])
+    if missing == "a buffer list":
+        batch.buffers.pop()  # AMSGrad's
+    elif missing == "a step counter":
+        batch.steps.pop()
+    else:
+        batch.grads.pop()
+    hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.0,
+              amsgrad=True, decoupled=True, maximize=False)
+    with pytest.raises(RuntimeError, match="needs as many gradients, step counters and 4"):
+        triton_kernels.step(True, batch, hp, None, None)
+    assert all(not p.any() for p in params)
