@@ -452,6 +452,8 @@ def test_state_changed_by_hand_is_what_the_next_step_reads(path, name, how):
         if kept is not None:
             kept["step"] = torch.tensor(10.0)
             train(o, ps, 2, start=5)
+            # Still the user's dict (not a copy the optimizer made), edits and steps seen.
+            assert o.state[ps[1]] is kept and kept["step"].item() == 12
     assert_states_close(opt, params, ref, ref_params)
 
 
