@@ -457,6 +457,29 @@ def test_state_changed_by_hand_is_what_the_next_step_reads(path, name, how):
     assert_states_close(opt, params, ref, ref_params)
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_a_held_plain_dict_of_a_parameter_that_skips_steps_is_read_when_it_steps(path, name):
+    """Steps in which one parameter of a group has no gradient repeat with lists of every
+    parameter with state (see _lists_with_state). A parameter whose state is a plain dict the
+    user still holds is kept out of them: while it skips steps the user replaces a buffer
+    through their dict, and its next step reads the new one."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        kept = o.state[ps[2]] = dict(o.state[ps[2]])
+        for t in range(3, 7):  # ps[2] skips these steps
+            for p, g in zip(ps, grads_for_step(ps, t)):
+                p.grad = None if p is ps[2] else g
+            o.step()
+            if t == 4:
+                buffer = next(key for key in kept if key != "step")
+                kept[buffer] = torch.full_like(kept[buffer], 0.5)
+        train(o, ps, 2, start=7)
+        assert o.state[ps[2]] is kept and kept["step"].item() == 5
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
 @pytest.mark.parametrize("how", ["a plain dict", "a new optimizer.state", "load_state_dict"])
 @BOTH
