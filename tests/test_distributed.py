@@ -270,8 +270,10 @@ def test_fsdp2_steps_hold_their_shards_and_follow_new_ones(one_rank, path, name)
 
 
 def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
-    """Three steps, then one where a gradient's local shard is not contiguous and another
-    gradient is a plain tensor (a DTensor parameter's gradient set by hand), then two more."""
+    """Three steps, then one where a gradient's local shard is not contiguous, then one where
+    a gradient is a plain tensor (a DTensor parameter's gradient set by hand), then two more.
+    (One oddity a step: a plain gradient sends the whole step down the per-parameter path,
+    which would hide a transposed shard let through by the check without a Python loop.)"""
     from torch.distributed.tensor import DTensor
 
     model, (xs, ys) = _one_rank_model()
@@ -283,11 +285,16 @@ def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
     def randn(*shape):
         return torch.randn(shape, generator=gen).to(ONE_RANK_DEVICE)
 
-    for p in params:
-        p.grad = DTensor.from_local(randn(*p.shape), p.device_mesh, p.placements)
+    def dtensor_grads():
+        for p in params:
+            p.grad = DTensor.from_local(randn(*p.shape), p.device_mesh, p.placements)
+
+    dtensor_grads()
     weight = params[2]
     transposed = randn(*reversed(weight.shape)).t()
     weight.grad = DTensor.from_local(transposed, weight.device_mesh, weight.placements)
+    opt.step()
+    dtensor_grads()
     params[1].grad = randn(*params[1].shape)
     opt.step()
     _train(model, opt, xs, ys, range(2))
