@@ -212,6 +212,41 @@ def test_the_optimizer_keeps_no_gradient_alive(path, name):
     assert [i for i, ref in enumerate(seen) if not ref.expired()] == []
 
 
+@pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
+@BOTH
+def test_a_repeated_step_its_first_kernel_refuses_is_taken_carefully_and_keeps_nothing(
+        path, name, monkeypatch):
+    """When the first group's kernel refuses a repeated step over several groups (after every
+    group took its gradients, before anything was written), the careful path steps instead,
+    as the reference would, and no gradient taken for the refused step stays held."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,), (4,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        o.param_groups[0]["params"] = ps[:2]
+        o.add_param_group(dict(params=ps[2:], lr=3e-3))
+        train(o, ps, 3)
+    run = _backends.run_fused_own_grads
+    refusals = []
+
+    def refuse_once(*args):
+        if not refusals:
+            refusals.append(1)
+            raise RuntimeError("refused (test)")
+        return run(*args)
+
+    monkeypatch.setattr(_backends, "run_fused_own_grads", refuse_once)
+    for o, ps in ((opt, params), (ref, ref_params)):
+        for p, g in zip(ps, grads_for_step(ps, 3)):
+            p.grad = g
+    taken = [StorageWeakRef(p.grad.untyped_storage()) for p in params]
+    opt.step()
+    ref.step()
+    assert refusals == [1]
+    opt.zero_grad()
+    gc.collect()
+    assert [i for i, r in enumerate(taken) if not r.expired()] == []
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
 @pytest.mark.parametrize("how", ["load_state_dict", "new dtype", "del state"])
 @BOTH
