@@ -102,10 +102,12 @@ def grads_for_step(params, step, seed=1, skip_every=0):
     return grads
 
 
-def train(opt, params, steps, seed=1, skip_every=0, start=0):
+def train(opt, params, steps, seed=1, skip_every=0, start=0, like_params=False):
+    """Steps with grads_for_step's gradients: contiguous, or with like_params laid out like
+    their parameters, as autograd lays them out."""
     for t in range(start, start + steps):
         for p, g in zip(params, grads_for_step(params, t, seed, skip_every)):
-            p.grad = g
+            p.grad = torch.empty_like(p).copy_(g) if like_params and g is not None else g
         opt.step()
 
 

@@ -652,14 +652,6 @@ NEW_DATA = {  # what model.to(...) does to a parameter after its state exists
 }
 
 
-def _train_with_autograds_layout(opt, params, steps, start=0):
-    """As train(), with each gradient laid out like its parameter, as autograd lays it out."""
-    for t in range(start, start + steps):
-        for p, g in zip(params, grads_for_step(params, t)):
-            p.grad = torch.empty_like(p).copy_(g)
-        opt.step()
-
-
 def _give_new_data_mid_run(name, path, change, groups, reload=False):
     """Three steps, then the first parameter's data replaced (and with `reload` the state
     converted by a load_state_dict round trip), then three more steps, the gradients laid out
@@ -669,11 +661,11 @@ def _give_new_data_mid_run(name, path, change, groups, reload=False):
         if groups == 2:
             o.param_groups[0]["params"] = ps[:2]
             o.add_param_group(dict(params=ps[2:], weight_decay=0.1))
-        _train_with_autograds_layout(o, ps, 3)
+        train(o, ps, 3, like_params=True)
         ps[0].data = NEW_DATA[change](ps[0])
         if reload:
             o.load_state_dict(o.state_dict())
-        _train_with_autograds_layout(o, ps, 3, start=3)
+        train(o, ps, 3, start=3, like_params=True)
     return opt, params, ref, ref_params
 
 
