@@ -228,19 +228,21 @@ RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fuse
 # Backends whose kernels need every tensor dense and laid out like its parameter.
 FLAT_BACKENDS = ("fused", "triton", "triton_eager")
 # "auto" on CUDA, from benchmarks/results (H200, 2026-11-26): the fused step took less time
-# on every set under 2^27 elements, by its lower host time (2,000 tensors of 16 elements: 0.70
-# vs 1.20 ms per PNM step; one tensor of 2^20: 0.044 vs 0.124 ms). From 2^28 fp32 elements up
-# (flat256M, llama-1b, flat1024M) the Triton step took 1-3 % less (runs 3 and 4, beside the
-# current fused step; 4-6 % beside the older one of run 2). In bf16 no Triton configuration
-# took less time than the current fused step (0-11 % more), so 16-bit batches stay fused.
-# Between 2^27 and 2^28 (gpt2-124m) the two were within 1 %.
+# on every set under 2^27 elements, by its lower host time (2,000 tensors of 16 elements: 0.81
+# vs 1.49 ms per PNM step in run 5; one tensor of 2^20: 0.046 vs 0.131 ms). From 2^28 fp32
+# elements up (flat256M, llama-1b, flat1024M) the Triton PNM step took 2-3 % less (run 5, the
+# shipped configurations; 1-3 % in runs 3 and 4), the Triton AdaPNM step 1-2 % more (run 5;
+# runs 3 and 4, where it took less, ran other launch configurations). In bf16 the Triton step
+# took 0-1 % less (PNM) or 2-4 % more (AdaPNM) than the fused step (run 6), so 16-bit batches
+# stay fused. Between 2^27 and 2^28 (gpt2-124m) the two were within 3 %.
 AUTO_TRITON_MIN_NUMEL = 1 << 28
 
 
-def auto_prefers_triton(device: torch.device, dtype: torch.dtype, numel: Optional[int]) -> bool:
+def auto_prefers_triton(device: torch.device, dtype: torch.dtype, numel: Optional[int],
+                        adaptive: bool = False) -> bool:
     """Whether "auto" runs a CUDA batch of `numel` elements on the Triton kernels: only large
-    float32 batches, and only on the GPU generation where that was measured (Hopper)."""
-    if (numel is None or numel < AUTO_TRITON_MIN_NUMEL or device.type != "cuda"
+    float32 PNM batches, and only on the GPU generation where that was measured (Hopper)."""
+    if (adaptive or numel is None or numel < AUTO_TRITON_MIN_NUMEL or device.type != "cuda"
             or dtype != torch.float32):
         return False
     return torch.cuda.get_device_capability(device)[0] == 9
@@ -278,10 +280,10 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optio
 
 
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
-                    numel: Optional[int] = None) -> str:
-    """The backend that runs a batch (of `numel` elements, when known): the one asked for, or
-    for "auto" the fastest available as measured. Raises RuntimeError/ValueError saying why a
-    requested backend cannot run."""
+                    numel: Optional[int] = None, adaptive: bool = False) -> str:
+    """The backend that runs a batch (of `numel` elements, when known; of AdaPNM when
+    adaptive): the one asked for, or for "auto" the fastest available as measured. Raises
+    RuntimeError/ValueError saying why a requested backend cannot run."""
     if requested in ("reference", "foreach"):
         if dtype not in REFERENCE_DTYPES:
             raise ValueError(f"unsupported parameter dtype {dtype}")
@@ -292,7 +294,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         reason = triton_unavailable_reason(device, dtype)
     else:  # auto
         if fused_unavailable_reason(device, dtype) is None:
-            if (auto_prefers_triton(device, dtype, numel)
+            if (auto_prefers_triton(device, dtype, numel, adaptive)
                     and triton_unavailable_reason(device, dtype) is None):
                 return "triton_eager"
             return "fused"

@@ -487,8 +487,7 @@ class _PositiveNegativeMomentum(Optimizer):
                                       layout_ok=layouts[b] if layouts else None))
         return plan
 
-    @staticmethod
-    def _group_batches(group, gi, indices):
+    def _group_batches(self, group, gi, indices):
         """[(backend, parameter indices, plain tensors?, (device, dtype))] per (device, dtype);
         raises on the first bad parameter or gradient, naming it."""
         batches = {}
@@ -512,7 +511,8 @@ class _PositiveNegativeMomentum(Optimizer):
             # tensors; a DTensor batch keeps what "auto" picks without a size.
             if group["backend"] == "auto" and backend == "fused" and plain[0]:
                 numel = sum(group["params"][pi].numel() for pi in idx)
-                backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel)
+                backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel,
+                                                    self._adaptive)
             out.append((backend, idx, plain[0], (device, dtype)))
         return out
 

@@ -182,18 +182,24 @@ class LaunchConfig:
 # Per GPU generation; the interpreter gets small chunks so tests cross chunk boundaries.
 _CONFIGS = {
     "interpreter": LaunchConfig(block=64, iters=2, num_warps=4),
-    # Hopper: benchmarks/tune_triton.py on an H200 (2026-11-26, 2^28 elements, two runs): 8192
-    # elements x 2 iterations with 16 warps was within 1 % of the best configuration tried
-    # in fp32 (PNM, AdaPNM) and within 1.5 % (AdaPNM) and 3.5 % (PNM) in bf16, where the
-    # 2048 x 8, 8 warps used before reached 66-68 % of copy bandwidth in AdaPNM against 88-89 %.
-    # It runs at the 128-register cap of 16 warps and spills (ptxas for sm_90a: 68 bytes a
-    # thread in fp32 PNM, ~630-710 in AdaPNM-AMSGrad), and was still the fastest measured.
-    # Runs 3 and 4 (results/gpu-h200-2026-11-26-run3, -run4) benchmarked per-dtype
-    # configurations that tune_triton.py ranked higher: with them bf16 AdaPNM took 4-11 % more
-    # time than the fused step from 2^26 elements, with this one 2 % less to 1 % more (run 2,
-    # against the older fused step); fp32 and bf16 PNM were alike. So this one stays.
+    # Hopper, fp32: benchmarks/tune_triton.py on an H200 (2026-11-26, 2^28 elements, two runs):
+    # 8192 elements x 2 iterations with 16 warps was within 1 % of the best configuration tried
+    # (PNM, AdaPNM); bench_step.py then measured 94-102 % of copy bandwidth from 2^26 elements
+    # (results/gpu-h200-2026-11-26-run5). It runs at the 128-register cap of 16 warps and
+    # spills (ptxas for sm_90a: 68 bytes a thread in PNM, ~630-710 in AdaPNM-AMSGrad), and was
+    # still the fastest measured.
     9: LaunchConfig(block=8192, iters=2, num_warps=16),
     8: LaunchConfig(block=1024, iters=16, num_warps=4),  # Ampere / Ada
+}
+# 2-byte storage (bf16, fp16) on Hopper, per optimizer (adaptive: AdaPNM): 32 warps. On an
+# H200, bench_step.py run side by side with the fp32 configuration above (results/
+# gpu-h200-2026-11-26-run6, each twice or more, bf16 at 2^26 / 2^28 / 2^30 elements): PNM
+# 16384 x 2 reached 95 / 100 / 101 % of copy bandwidth against 85-90 / 92 / 93 %, AdaPNM 8192 x
+# 2 reached 91 / 94 / 94 % against 83 / 86 / 87 %. fp16 was not measured; its loads and stores
+# are those of bf16. Run 2 had chosen 16 warps for every dtype, against an older kernel.
+_HALF_CONFIGS = {
+    (9, False): LaunchConfig(block=16384, iters=2, num_warps=32),
+    (9, True): LaunchConfig(block=8192, iters=2, num_warps=32),
 }
 _DEFAULT_CONFIG = LaunchConfig(block=1024, iters=16, num_warps=4)
 _override = None
@@ -213,7 +219,10 @@ def launch_config(device: torch.device, dtype: torch.dtype, adaptive: bool) -> L
         return _override[(dtype, adaptive)]
     if device.type != "cuda":
         return _CONFIGS["interpreter"]
-    return _CONFIGS.get(torch.cuda.get_device_capability(device)[0], _DEFAULT_CONFIG)
+    generation = torch.cuda.get_device_capability(device)[0]
+    if dtype.itemsize == 2 and (generation, adaptive) in _HALF_CONFIGS:
+        return _HALF_CONFIGS[(generation, adaptive)]
+    return _CONFIGS.get(generation, _DEFAULT_CONFIG)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

@@ -1,8 +1,10 @@
-"""Compiles the Triton kernels for sm_90 (no GPU needed) and prints a JSON report. Run in a
-process without TRITON_INTERPRET, so that triton.jit builds compilable kernels."""
+"""Compiles the Triton kernels for sm_90 (no GPU needed), each with the launch configuration
+it ships with for Hopper, and prints a JSON report. Run in a process without TRITON_INTERPRET,
+so that triton.jit builds compilable kernels."""
 import json
 import sys
 
+import torch
 import triton
 import triton.language as tl
 from triton.backends.compiler import GPUTarget
@@ -21,6 +23,17 @@ SIGNATURE = {
     "eps": "fp32", "weight_decay": "fp32", "grad_sign": "fp32",
 }
 DTYPES = {"fp32": tl.float32, "bf16": tl.bfloat16, "fp16": tl.float16}
+TORCH_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def hopper_config(dtype, adaptive):
+    """The launch configuration the step uses on a Hopper GPU (read without one)."""
+    real = torch.cuda.get_device_capability
+    torch.cuda.get_device_capability = lambda device=None: (9, 0)
+    try:
+        return triton_kernels.launch_config(torch.device("cuda"), dtype, adaptive)
+    finally:
+        torch.cuda.get_device_capability = real
 
 
 def compile_kernel(fn, signature, consts, num_warps):
@@ -34,11 +47,13 @@ def main():
     for dtype in sys.argv[1].split(","):
         for mode in ("PNM", "AdaPNM-amsgrad", "AdaPNM"):
             adaptive, amsgrad = mode != "PNM", mode == "AdaPNM-amsgrad"
+            config = hopper_config(TORCH_DTYPES[dtype], adaptive)
             consts = dict(DTYPE=DTYPES[dtype], ADAPTIVE=adaptive, AMSGRAD=amsgrad,
                           DECOUPLED=not amsgrad, HAS_LR_TENSOR=adaptive,
-                          HAS_GRAD_SCALE=adaptive, HAS_FOUND_INF=adaptive, BLOCK=2048,
-                          ITERS=2, ALIGNED=True, COUNT_STEPS=True, INTERPRETED=False)
-            ptx = compile_kernel(triton_kernels._step_kernel, SIGNATURE, consts, 8).asm["ptx"]
+                          HAS_GRAD_SCALE=adaptive, HAS_FOUND_INF=adaptive, BLOCK=config.block,
+                          ITERS=config.iters, ALIGNED=True, COUNT_STEPS=True, INTERPRETED=False)
+            ptx = compile_kernel(triton_kernels._step_kernel, SIGNATURE, consts,
+                                 config.num_warps).asm["ptx"]
             ticket = ptx.find("atom.global.gpu.acq_rel.add")
             report[f"{dtype}-{mode}"] = {"sm_90": ".target sm_90" in ptx,
                                          "v4_loads": "ld.global.v4" in ptx,

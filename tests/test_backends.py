@@ -4,8 +4,8 @@ several b0, several param groups, and parameters that skip steps (DESIGN.md §4)
 import pytest
 import torch
 
-from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
-                      make_params, train, with_reference)
+from conftest import (DEVICE, FAST_PATHS, HAS_CUDA, OPTIMIZERS, assert_states_close,
+                      clone_params, make_params, train, with_reference)
 from pnm_kernels import PNM
 from pnm_kernels._ops import extension_error
 
@@ -114,9 +114,10 @@ def test_low_precision_is_at_least_as_accurate_as_the_reference(path, dtype, sla
 
 @pytest.mark.parametrize("capability,expected", [((9, 0), "triton_eager"), ((8, 0), "fused")])
 def test_auto_on_cuda_picks_by_the_measured_batch_size(capability, expected, monkeypatch):
-    """On CUDA, "auto" is the fused step, and for a float32 batch of at least 2^28 elements
-    on a Hopper GPU the Triton step (1-3 % less time on an H200; none in bf16; see
-    benchmarks/results). Other generations keep the fused step: nothing was measured there."""
+    """On CUDA, "auto" is the fused step, and for a float32 PNM batch of at least 2^28
+    elements on a Hopper GPU the Triton step (2-3 % less time on an H200; AdaPNM took 1-2 %
+    more, and neither less in bf16; see benchmarks/results). Other generations keep the fused
+    step: nothing was measured there."""
     from pnm_kernels import _backends
 
     cuda = torch.device("cuda")
@@ -126,13 +127,14 @@ def test_auto_on_cuda_picks_by_the_measured_batch_size(capability, expected, mon
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
     large = _backends.AUTO_TRITON_MIN_NUMEL
     assert _backends.resolve_backend("auto", cuda, torch.float32, large) == expected
+    assert _backends.resolve_backend("auto", cuda, torch.float32, large, adaptive=True) == "fused"
     assert _backends.resolve_backend("auto", cuda, torch.float32, large - 1) == "fused"
     assert _backends.resolve_backend("auto", cuda, torch.bfloat16, large) == "fused"
     assert _backends.resolve_backend("auto", cuda, torch.float32) == "fused"
     assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float32, large) == "fused"
 
 
-def test_auto_prefers_triton_only_for_large_float32_batches_on_hopper(monkeypatch):
+def test_auto_prefers_triton_only_for_large_float32_pnm_batches_on_hopper(monkeypatch):
     """The rule alone, so it is checked without a GPU too."""
     from pnm_kernels import _backends
 
@@ -140,6 +142,7 @@ def test_auto_prefers_triton_only_for_large_float32_batches_on_hopper(monkeypatc
     prefers = _backends.auto_prefers_triton
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     assert prefers(cuda, torch.float32, large)
+    assert not prefers(cuda, torch.float32, large, adaptive=True)  # AdaPNM: fused
     assert not prefers(cuda, torch.float32, large - 1)
     assert not prefers(cuda, torch.float32, None)  # size unknown
     assert not prefers(cuda, torch.bfloat16, large) and not prefers(cuda, torch.float16, large)
@@ -149,12 +152,18 @@ def test_auto_prefers_triton_only_for_large_float32_batches_on_hopper(monkeypatc
 
 
 def test_triton_launch_configuration_by_generation_and_its_override(monkeypatch):
-    """One configuration per GPU generation; set_launch_config overrides every launch, or only
-    those of the (dtype, adaptive) pairs it names (how bench_step.py runs tuned ones)."""
+    """One configuration per GPU generation, and on Hopper one per optimizer for 2-byte
+    storage; set_launch_config overrides every launch, or only those of the (dtype, adaptive)
+    pairs it names (how bench_step.py runs tuned ones)."""
     tk = pytest.importorskip("pnm_kernels.triton_kernels")
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert tk.launch_config(cuda, torch.bfloat16, True) == tk._CONFIGS[9]
+    assert tk.launch_config(cuda, torch.float32, True) == tk._CONFIGS[9]
+    for dtype in (torch.bfloat16, torch.float16):
+        for adaptive in (False, True):
+            assert tk.launch_config(cuda, dtype, adaptive) == tk._HALF_CONFIGS[(9, adaptive)]
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
+    assert tk.launch_config(cuda, torch.bfloat16, True) == tk._CONFIGS[8]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
     assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
     assert tk.launch_config(torch.device("cpu"), torch.float32, True) == tk._CONFIGS["interpreter"]
@@ -172,22 +181,66 @@ def test_triton_launch_configuration_by_generation_and_its_override(monkeypatch)
     assert tk.launch_config(cuda, torch.float32, False) == tk._DEFAULT_CONFIG
 
 
-def test_auto_counts_the_elements_of_a_batch(monkeypatch):
-    """The size "auto" decides on is the batch's element count, summed over its tensors."""
+def _shipped_launch_configs():
+    try:
+        from pnm_kernels import triton_kernels as tk
+    except ImportError:
+        return []
+    configs = [c for k, c in tk._CONFIGS.items() if k != "interpreter"]
+    configs = sorted(set(configs + list(tk._HALF_CONFIGS.values())), key=repr)
+    if HAS_CUDA:
+        return configs
+    # The interpreter ignores num_warps: one configuration per chunk layout is enough there.
+    return list({(c.block, c.iters): c for c in configs}.values())
+
+
+@pytest.mark.parametrize("config", _shipped_launch_configs(), ids=repr)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_every_shipped_triton_launch_configuration_steps_as_the_reference(config, dtype, name):
+    """Each configuration of the GPU table, forced on every launch, across its chunk
+    boundaries: one element short of a chunk, one over, two chunks and a bit, and a tensor
+    smaller than a block. Chunking changes no element's arithmetic, so the result is bitwise
+    that of chunks of 2,048 elements, and (fp32) matches the reference. (Without a GPU the
+    interpreter runs it: it ignores num_warps but walks the same chunk map.)"""
+    tk = pytest.importorskip("pnm_kernels.triton_kernels")
+    chunk = config.block * config.iters
+    params = make_params([(chunk - 1,), (chunk + 1,), (2 * chunk + 3,), (5,)], dtype=dtype)
+    runs = {}
+    small = tk.LaunchConfig(block=1024, iters=2, num_warps=4)  # the interpreter's own: slow here
+    for label, forced in (("shipped", config), ("small chunks", small), ("reference", None)):
+        ps = clone_params(params)
+        opt = OPTIMIZERS[name](ps, lr=1e-2, weight_decay=0.1,
+                               backend="reference" if forced is None else "triton")
+        tk.set_launch_config(forced)
+        try:
+            train(opt, ps, 3)
+        finally:
+            tk.set_launch_config(None)
+        runs[label] = (opt, ps)
+    shipped, small = runs["shipped"], runs["small chunks"]
+    assert_states_close(*shipped, *small, atol=0, rtol=0)
+    if dtype == torch.float32:
+        assert_states_close(*shipped, *runs["reference"])
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_auto_counts_the_elements_of_a_batch_and_knows_the_optimizer(name, monkeypatch):
+    """The size "auto" decides on is the batch's element count, summed over its tensors; it
+    is told which optimizer steps (the two were measured apart)."""
     from pnm_kernels import _backends
 
     if extension_error() is not None:
         pytest.skip("pnm_kernels._C is not built")
     asked = []
     resolve = _backends.resolve_backend
-    monkeypatch.setattr(_backends, "resolve_backend", lambda requested, device, dtype,
-                        numel=None: (asked.append(numel), resolve(requested, device, dtype,
-                                                                  numel))[1])
+    monkeypatch.setattr(_backends, "resolve_backend", lambda requested, *args: (
+        asked.append(args[2:]), resolve(requested, *args))[1])
     params = [torch.zeros(3, 5, requires_grad=True), torch.zeros(7, requires_grad=True)]
     for p in params:
         p.grad = torch.ones_like(p)
-    PNM(params, lr=0.1).step()
-    assert asked[-1] == 22
+    OPTIMIZERS[name](params, lr=0.1).step()
+    assert asked[-1] == (22, name == "AdaPNM")
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])

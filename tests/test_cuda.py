@@ -15,13 +15,13 @@ def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_
                                                              monkeypatch):
     """set_to_none=True is torch's own recipe (gradients allocated inside the capture); the
     Triton tables would need a copy inside the capture there and it refuses, saying so.
-    "auto-large": "auto" where every batch counts as large (Triton eagerly, the fused
-    kernels inside the capture)."""
+    "auto-large": "auto" where it prefers the Triton step for every batch, as for a large
+    fp32 PNM one (Triton eagerly, the fused kernels inside the capture)."""
     if backend == "triton" and set_to_none:
         pytest.skip("Triton: gradients must persist across a capture (see triton_kernels)")
     if backend == "auto-large":
         from pnm_kernels import _backends
-        monkeypatch.setattr(_backends, "AUTO_TRITON_MIN_NUMEL", 1)
+        monkeypatch.setattr(_backends, "auto_prefers_triton", lambda *args: True)
         backend = "auto"
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()

@@ -1,6 +1,7 @@
 """The Triton kernels compile for a Hopper GPU (sm_90) without one. Compiled mode has rules
 the interpreter does not check (pointer types, float64 maths, constexpr use), so this runs
-in a separate process without TRITON_INTERPRET. fp32 storage gets 16-byte loads."""
+in a separate process without TRITON_INTERPRET, with the launch configurations shipped for
+Hopper. fp32 storage gets 16-byte loads."""
 import json
 import os
 import subprocess
