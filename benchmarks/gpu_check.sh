@@ -84,7 +84,8 @@ stage missing_grads 40 python3 benchmarks/missing_grads.py --device cuda --steps
 stage dtensor_step 30 python3 benchmarks/dtensor_step.py --device cuda
 # Last, within what is left of the deadline. The benchmarks above measure the shipped launch
 # configuration; to try the tuning's choices, run bench_step.py --triton-configs
-# tune_triton.json (runs 3 and 4 of 2026-11-26 did: they were not faster there).
+# tune_triton.json (runs 3 and 4 of 2026-11-26 did; run 6 compared bf16 candidates side by
+# side, five bench_step.py processes: results/gpu-h200-2026-11-26-run6/command.sh).
 stage tune_triton 120 python3 benchmarks/tune_triton.py --numels 67108864,268435456 \
   --out "$WORK/tune_triton.json"
 
