@@ -791,6 +791,20 @@ struct StepLists : torch::CustomClassHolder {
     bump_versions_of(steps);
   }
 
+  // For a repeated Triton step: pointers() with the held parameters' own gradients, read
+  // here, or with those take_own_grads() took (use_taken). Empty, the gradients let go of,
+  // when a held parameter has no gradient or one unlike it (dtype, device, shape, layout), a
+  // parameter outside the lists has one, or a parameter was given new data (held_lists_ok):
+  // the kernels check nothing, so the optimizer's careful path then takes the step.
+  at::Tensor own_grad_pointers(bool use_taken, int64_t num_buffers) {
+    OwnGrads own;
+    if (!own_or_taken_grads(use_taken, own) || own.grads.size() != params.size() ||
+        params.empty() || (!use_taken && !held_lists_ok())) {
+      return at::empty({0}, at::kLong);
+    }
+    return pointers(std::move(own.grads), num_buffers);
+  }
+
   // The data pointers of params, grads and the first num_buffers buffers (list-major), then
   // of the step counters, then the params' element counts, as one int64 CPU tensor: what the
   // Triton kernels' tables hold.
@@ -937,6 +951,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("pnm_step", &pnm::StepLists::pnm_step)
       .def("adapnm_step", &pnm::StepLists::adapnm_step)
       .def("pointers", &pnm::StepLists::pointers)
+      .def("own_grad_pointers", &pnm::StepLists::own_grad_pointers)
       .def("pnm_step_own_grads", &pnm::StepLists::pnm_step_own_grads)
       .def("adapnm_step_own_grads", &pnm::StepLists::adapnm_step_own_grads)
       .def("take_own_grads", &pnm::StepLists::take_own_grads)

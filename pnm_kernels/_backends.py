@@ -161,6 +161,15 @@ def run_fused_own_grads(adaptive, lists, hp, use_taken, emulate, device, grad_sc
     return step(use_taken, *args)
 
 
+def prepare_triton_own_grads(adaptive, lists, memo, device, dtype, hp, use_taken):
+    """triton_kernels.prepare_own_grad_step: a Triton step of a held batch with its
+    parameters' own gradients, ready to launch, or None."""
+    from . import triton_kernels
+
+    return triton_kernels.prepare_own_grad_step(adaptive, lists, memo, device, dtype, hp,
+                                                use_taken)
+
+
 def run_fused(adaptive, batch, hp, grad_scale, found_inf):
     device = batch.params[0].device
     if batch.memo is not None and not torch.compiler.is_compiling():

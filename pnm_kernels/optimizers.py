@@ -39,13 +39,17 @@ class _PlanItem:
 
 @dataclass
 class _HeldGroup:
-    """A param group as the last step ran it: one fused batch held in C++ (see _repeat_step)."""
+    """A param group as the last step ran it: one fused or Triton batch held in C++ (see
+    _repeat_step)."""
     group: dict
     params: list
     signature: tuple  # its hyper-parameters when last validated (see _signature)
     lists: object  # the batch's pnm_kernels._C StepLists
     device: torch.device
     plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
+    backend: str = "fused"  # or "triton"
+    memo: Optional[dict] = None  # a Triton batch's memo: its tables and ticket counter
+    dtype: Optional[torch.dtype] = None
 
 
 def _is_real_number(x) -> bool:
@@ -758,26 +762,30 @@ class _PositiveNegativeMomentum(Optimizer):
 
     def _remember_step(self, plan, batches):
         """After a step (these plan items, run as these batches) in which every param group
-        was one fused batch held in C++: what the next step needs to repeat it without
-        planning (see _repeat_step). Where some of a group's parameters had no gradient, the
-        lists held are those of all its parameters with state (see _lists_with_state)."""
+        was one fused or Triton batch held in C++: what the next step needs to repeat it
+        without planning (see _repeat_step). Where some of a group's parameters had no
+        gradient, the lists held are those of all its parameters with state (see
+        _lists_with_state); not for Triton, whose tables name every tensor they update."""
         groups = self.param_groups
         if len(plan) != len(groups):
             return
         entries = []
         for item, batch, group in zip(plan, batches, groups):
-            if (item.group is not group or item.backend != "fused" or batch.memo is None
-                    or batch.memo.get("shards")):
+            if (item.group is not group or item.backend not in ("fused", "triton")
+                    or batch.memo is None or batch.memo.get("shards")):
                 return
             lists, outside = batch.memo.get("step_lists"), ()
             if len(item.params) != len(group["params"]):
+                if item.backend == "triton":
+                    return
                 lists, outside = self._lists_with_state(group, item, lists)
             if lists is None:
                 return
             lists.hold_outside(list(outside))
             entries.append(_HeldGroup(group, list(group["params"]), self._validated[id(group)],
                                       lists, item.params[0].device,
-                                      (group["backend"], self._buffers_needed(group))))
+                                      (group["backend"], self._buffers_needed(group)),
+                                      item.backend, batch.memo, item.params[0].dtype))
         self._repeat = (self._state_version(), entries)
 
     def _lists_with_state(self, group, item, lists):
@@ -812,7 +820,8 @@ class _PositiveNegativeMomentum(Optimizer):
         same groups and parameters, state, backends and buffers. Other hyper-parameters may
         change (a scheduler's lr): they are validated here, as _plan would. The C++ lists read
         the gradients themselves, so an eager step over thousands of tensors costs no Python
-        loop; a parameter without one does not step. False, having done nothing, when it does
+        loop; a parameter without one does not step (a Triton batch, whose tables name every
+        tensor, then declines). False, having done nothing, when it does
         not apply (a gradient for a parameter without state, or one laid out unlike its
         parameter, included, or a batch's kernel refusing its arguments)."""
         repeat = self.__dict__.get("_repeat")
@@ -837,6 +846,20 @@ class _PositiveNegativeMomentum(Optimizer):
         if several and not all(held.lists.take_own_grads() for held in entries):
             self._drop_taken_grads(entries)
             return False
+        # Triton batches first take their gradients and tables, for every group before any
+        # steps: their kernels check nothing, so one that cannot step stops the whole step.
+        launches = {}
+        for i, held in enumerate(entries):
+            if held.backend == "triton":
+                try:
+                    launches[i] = _backends.prepare_triton_own_grads(
+                        self._adaptive, held.lists, held.memo, held.device, held.dtype,
+                        self._hyper(held.group), several)
+                except RuntimeError:  # tables to build inside a capture: the careful step
+                    launches[i] = None  # says what to do
+                if launches[i] is None:
+                    self._drop_taken_grads(entries)
+                    return False
         per_device = {}  # read once per step, not per group: host time is most of it here
         for i, held in enumerate(entries):
             extra = per_device.get(held.device)
@@ -846,6 +869,9 @@ class _PositiveNegativeMomentum(Optimizer):
                     *(None if t is None else t.to(held.device, non_blocking=True)
                       for t in (grad_scale, found_inf)))
             try:
+                if held.backend == "triton":
+                    launches[i](*extra[2:])
+                    continue
                 done = _backends.run_fused_own_grads(
                     self._adaptive, held.lists, self._hyper(held.group), several, *extra)
             except RuntimeError:

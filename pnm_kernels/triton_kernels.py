@@ -230,25 +230,8 @@ _TABLE_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
 _TABLE_CACHE_SIZE = 16
 
 
-def _tables(lists, steps, device, chunk, held=None, memo=None):
-    """Device tables for these tensors, rebuilt only when an address or size changed.
-
-    `held` (a StepLists holding this cached batch's parameters, buffers and counters) reads
-    every address in C++ at once: reading them one by one from Python costs more host time
-    than a whole step over thousands of small tensors. Its tables are kept in `memo`."""
-    if held is not None:
-        now = held.pointers(lists[1], len(lists) - 2)
-        entries = memo.setdefault("triton_tables", [])
-        for config, ptrs, tables in entries:
-            if config == (device, chunk) and torch.equal(ptrs, now):
-                return tables
-        flat = now.tolist()  # pointers of every list, of the counters, then sizes
-        n = len(lists[0])
-        tables = _build_tables(flat[:-2 * n], flat[-2 * n:-n], flat[-n:], device, chunk)
-        if len(entries) >= 4:  # gradients at a few alternating addresses are common
-            entries.pop(0)
-        entries.append(((device, chunk), now, tables))
-        return tables
+def _tables(lists, steps, device, chunk):
+    """Device tables for these tensors, rebuilt only when an address or size changed."""
     numels = [t.numel() for t in lists[0]]
     ptrs = [t.data_ptr() for lst in lists for t in lst]
     step_ptrs = [s.data_ptr() for s in steps]
@@ -261,6 +244,22 @@ def _tables(lists, steps, device, chunk, held=None, memo=None):
     tables = _TABLE_CACHE[key] = _build_tables(ptrs, step_ptrs, numels, device, chunk)
     if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
         _TABLE_CACHE.popitem(last=False)
+    return tables
+
+
+def _held_tables(now, n, device, chunk, memo):
+    """The tables of a batch held in C++ (a StepLists), from `now`, the addresses it read at
+    once (see StepLists.pointers: reading them one by one from Python costs more host time
+    than a whole step over thousands of small tensors). Kept in the batch's `memo`."""
+    entries = memo.setdefault("triton_tables", [])
+    for config, ptrs, tables in entries:
+        if config == (device, chunk) and torch.equal(ptrs, now):
+            return tables
+    flat = now.tolist()  # pointers of every list, of the counters, then sizes
+    tables = _build_tables(flat[:-2 * n], flat[-2 * n:-n], flat[-n:], device, chunk)
+    if len(entries) >= 4:  # gradients at a few alternating addresses are common
+        entries.pop(0)
+    entries.append(((device, chunk), now, tables))
     return tables
 
 
@@ -288,15 +287,19 @@ def _build_tables(ptrs, step_ptrs, numels, device, chunk):
             as_device(chunk_start, torch.int64), len(chunk_tensor), aligned)
 
 
-def _blocks_done(batch, device):
+def _blocks_done(memo, device):
     """The batch's ticket counter (new_blocks_done) for steps that increment their counters
     in the step launch; None where a step keeps the second launch: a batch without a memo,
     under torch.compile, or first stepped inside a CUDA-graph capture."""
-    if batch.memo is None or torch.compiler.is_compiling():
+    if memo is None or torch.compiler.is_compiling():
         return None
-    if batch.memo.get("triton_blocks_done") is None:
-        batch.memo["triton_blocks_done"] = new_blocks_done(device)
-    return batch.memo["triton_blocks_done"]
+    if memo.get("triton_blocks_done") is None:
+        memo["triton_blocks_done"] = new_blocks_done(device)
+    return memo["triton_blocks_done"]
+
+
+def _buffers_needed(adaptive, hp):
+    return (4 if hp["amsgrad"] else 3) if adaptive else 2
 
 
 def step(adaptive, batch, hp, grad_scale, found_inf):
@@ -305,8 +308,7 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     if not params:
         return
     device, dtype = params[0].device, params[0].dtype
-    amsgrad = adaptive and hp["amsgrad"]
-    needed = (4 if amsgrad else 3) if adaptive else 2
+    needed = _buffers_needed(adaptive, hp)
     lists = [params, batch.grads] + batch.buffers[:needed]
     # The kernels check nothing and read every list through one pointer table: a missing
     # list or entry would have them read past it (the fused op checks this itself).
@@ -318,10 +320,48 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     config = launch_config(device, dtype, adaptive)
     chunk = config.block * config.iters
     held = None if torch.compiler.is_compiling() else step_lists(batch)
-    ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks, aligned = _tables(
-        lists, batch.steps, device, chunk, held, batch.memo)
-    n = len(params)
+    if held is not None:
+        tables = _held_tables(held.pointers(lists[1], needed), len(params), device, chunk,
+                              batch.memo)
+    else:
+        tables = _tables(lists, batch.steps, device, chunk)
+    _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf,
+            _blocks_done(batch.memo, device))
+    # The kernels wrote through raw pointers: tell autograd, as torch's in-place ops do (C++
+    # for a held batch: from Python it costs ~35 ns a tensor).
+    if held is not None:
+        held.bump_versions(needed)
+    elif not torch.compiler.is_compiling():
+        torch.autograd.graph.increment_version([*params, *sum(lists[2:], []), *batch.steps])
 
+
+def prepare_own_grad_step(adaptive, lists, memo, device, dtype, hp, use_taken):
+    """A repeated step of a batch held in C++ (a StepLists, `memo` its batch's) with its
+    parameters' own gradients, read in C++ (or with use_taken, those its take_own_grads()
+    took): returns launch(grad_scale, found_inf), or None, having done nothing, when it cannot
+    take them (see StepLists.own_grad_pointers). Any tables needed are built here (which
+    raises inside a CUDA-graph capture), so that a step over several batches can prepare
+    them all before any launches."""
+    needed = _buffers_needed(adaptive, hp)
+    now = lists.own_grad_pointers(use_taken, needed)
+    if now.numel() == 0:
+        return None
+    config = launch_config(device, dtype, adaptive)
+    tables = _held_tables(now, now.numel() // (4 + needed), device, config.block * config.iters,
+                          memo)
+
+    def launch(grad_scale, found_inf):
+        _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf,
+                _blocks_done(memo, device))
+        lists.bump_versions(needed)
+    return launch
+
+
+def _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf, blocks_done):
+    """The step's launches over these tables: one, or two where there is no blocks_done."""
+    ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks, aligned = tables
+    n = numels.numel()
+    amsgrad = adaptive and hp["amsgrad"]
     lr, lr_tensor = split_lr(hp["lr"], device)
     if lr_tensor is not None and lr_tensor.device != device:  # a CPU lr: read it, no sync
         lr, lr_tensor = float(lr_tensor), None
@@ -329,8 +369,9 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
     beta2 = hp.get("beta2", 0.0)
     log = lambda b: math.log(b) if b > 0 else -math.inf  # noqa: E731
     dummy = step_table  # stands in for absent optional pointers (never read)
-    blocks_done = _blocks_done(batch, device) if n_chunks else None
-    if n_chunks:
+    if not n_chunks:
+        blocks_done = None  # only the counters' launch
+    else:
         _step_kernel[(n_chunks,)](
             ptr_table, numels, step_table, chunk_tensor, chunk_start, n,
             float(lr), lr_tensor if lr_tensor is not None else dummy,
@@ -352,9 +393,3 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
         _increment_steps_kernel[((n + block - 1) // block,)](
             step_table, n, found_inf if found_inf is not None else dummy,
             HAS_FOUND_INF=found_inf is not None, BLOCK=block)
-    # The kernels wrote through raw pointers: tell autograd, as torch's in-place ops do (C++
-    # for a held batch: from Python it costs ~35 ns a tensor).
-    if held is not None:
-        held.bump_versions(len(lists) - 2)
-    elif not torch.compiler.is_compiling():
-        torch.autograd.graph.increment_version([*params, *sum(lists[2:], []), *batch.steps])

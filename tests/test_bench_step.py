@@ -10,6 +10,7 @@ import pytest
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_step  # noqa: E402
 from conftest import DEVICE  # noqa: E402
+from pnm_kernels._ops import extension_error  # noqa: E402
 
 
 def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
@@ -110,6 +111,19 @@ def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_
         assert f"| {family} | bare loop |" in out
     assert "| PNM | pnm_kernels fused |" in out and "| AdaPNM | pnm_kernels fused |" in out
     assert "AdaPNM ÷ Adam-amsgrad, effective GB/s: bare loop" in out
+
+
+def test_triton_host_script_times_the_step_without_launching(capsys):
+    pytest.importorskip("triton")
+    if extension_error() is not None:
+        pytest.skip("pnm_kernels._C is not built")
+    import triton_host
+    from pnm_kernels import triton_kernels
+    kernel = triton_kernels._step_kernel
+    triton_host.main(["--tensors", "3", "--steps", "2"])
+    rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
+    assert [r.split(" | ")[1] for r in rows] == ["PNM", "AdaPNM"]
+    assert triton_kernels._step_kernel is kernel  # the real kernels are back
 
 
 def test_missing_gradients_script_prints_both_optimizers_for_each_fraction(capsys):

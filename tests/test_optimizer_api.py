@@ -12,8 +12,9 @@ import pytest
 import torch
 from torch.multiprocessing.reductions import StorageWeakRef
 
-from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params,
-                      grads_for_step, make_params, train, user_event, with_reference)
+from conftest import (DEVICE, FAST_PATHS, HAS_TRITON, OPTIMIZERS, assert_states_close,
+                      clone_params, grads_for_step, make_params, train, user_event,
+                      with_reference)
 from pnm_kernels import PNM, AdaPNM, available_backends
 from pnm_kernels import _backends
 from pnm_kernels.reference import noise_norm
@@ -305,10 +306,10 @@ def test_hyper_parameters_changed_between_any_two_steps_match_the_reference(path
     assert_states_close(opt, params, ref, ref_params)
 
 
-@pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
+@pytest.mark.parametrize("path", ["fused", "emulated", "triton"], indirect=True)
 @BOTH
 def test_a_scheduled_lr_keeps_the_repeated_step(path, name, monkeypatch):
-    """The repeated fused step (no planning; see _repeat_step) survives a new lr or beta1
+    """The repeated fused or Triton step (no planning; see _repeat_step) survives a new lr or beta1
     every step, as schedulers give: only a change of backend or of the buffers a group
     needs (AMSGrad switched) makes the next step plan again."""
     params = make_params([(50,), (3, 3), (7,), (4,)])
@@ -326,6 +327,38 @@ def test_a_scheduled_lr_keeps_the_repeated_step(path, name, monkeypatch):
         opt.param_groups[1]["amsgrad"] = False
         train(opt, params, 2, start=8)
         assert len(plans) == 2
+
+
+@BOTH
+def test_a_repeated_step_over_fused_and_triton_groups(name, monkeypatch):
+    """A Triton group repeats too, beside a fused one, while every one of its parameters has
+    a gradient. A step where one lacks a gradient (steps 3 and 4), or has one with gaps
+    (step 6), is planned: the Triton tables name every tensor they update, and its kernels
+    check nothing. The Triton group is checked before the fused group steps: otherwise the
+    fused group would step twice. Every step matches the reference."""
+    if _backends.extension_error() is not None or not HAS_TRITON:
+        pytest.skip("needs pnm_kernels._C and triton")
+    monkeypatch.delenv("PNM_KERNELS_EMULATE_CUDA", raising=False)
+    params = make_params([(50,), (3, 3), (7,), (4,)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name]([dict(params=params[:2], backend="fused"),
+                            dict(params=params[2:], backend="triton", lr=3e-3)], lr=1e-2)
+    ref = OPTIMIZERS[name]([dict(params=ref_params[:2]), dict(params=ref_params[2:], lr=3e-3)],
+                           lr=1e-2, backend="reference")
+    plans = []
+    plan = opt._plan
+    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    for t in range(9):
+        for o, ps in ((opt, params), (ref, ref_params)):
+            for i, (p, g) in enumerate(zip(ps, grads_for_step(ps, t))):
+                if i == 3 and t in (3, 4):
+                    g = None
+                elif i == 2 and t == 6:
+                    g = torch.empty(14, device=p.device, dtype=p.dtype)[::2].copy_(g)
+                p.grad = g
+            o.step()
+        assert_states_close(opt, params, ref, ref_params)
+    assert len(plans) == 1 + 2 + 2  # the first step; 3 and 4; 5 (its gradient is back); 6
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
@@ -516,7 +549,7 @@ def test_a_held_plain_dict_of_a_parameter_that_skips_steps_is_read_when_it_steps
     assert_states_close(opt, params, ref, ref_params)
 
 
-@pytest.mark.parametrize("path", ["fused", "emulated"], indirect=True)
+@pytest.mark.parametrize("path", ["fused", "emulated", "triton"], indirect=True)
 @pytest.mark.parametrize("how", ["a plain dict", "a new optimizer.state", "load_state_dict"])
 @BOTH
 def test_state_put_in_by_hand_and_let_go_of_keeps_the_repeated_step(path, name, how,
