@@ -1223,19 +1223,22 @@ def test_repeated_steps_over_several_groups_match_the_reference(path, name):
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
 
 
-def _steps_with_random_events(name, backend, seed, steps=80):
-    """Steps over three groups in which, at random, a quarter of the gradients are missing
-    and, now and then, a user_event happens (hyper-parameters changed, state deleted,
-    replaced or reloaded: see conftest) or a parameter is given new data."""
+def _steps_with_random_events(name, backends, seed, steps=80, missing=0.25):
+    """Steps over three groups (on `backends`, one each, or one for all) in which, at
+    random, a fraction `missing` of the gradients are missing and, now and then, a
+    user_event happens (hyper-parameters changed, state deleted, replaced or reloaded: see
+    conftest) or a parameter is given new data."""
     events = random.Random(seed)
     torch.manual_seed(seed)
     shapes = [(events.randint(1, 40),) for _ in range(7)] + [(3, 5), (2, 2, 3)]
     params = [torch.randn(s, device=DEVICE, requires_grad=True) for s in shapes]
-    opt = OPTIMIZERS[name]([dict(params=params[:4]), dict(params=params[4:7], weight_decay=0.1),
-                            dict(params=params[7:], lr=3e-3)], lr=1e-2, backend=backend)
+    backends = [backends] * 3 if isinstance(backends, str) else backends
+    opt = OPTIMIZERS[name]([dict(params=params[:4], backend=backends[0]),
+                            dict(params=params[4:7], weight_decay=0.1, backend=backends[1]),
+                            dict(params=params[7:], lr=3e-3, backend=backends[2])], lr=1e-2)
     for t in range(steps):
         for p, g in zip(params, grads_for_step(params, t, seed)):
-            p.grad = None if events.random() < 0.25 else g
+            p.grad = None if events.random() < missing else g
         event, k = user_event(opt, params, events, name)
         if 0.24 <= event < 0.27:
             params[k].data = params[k].data.clone()
@@ -1251,4 +1254,19 @@ def test_any_sequence_of_user_events_gives_the_references_steps(path, name, seed
     cached and repeated steps) give what the reference gives, state included."""
     opt, params = _steps_with_random_events(name, path, seed)
     ref, ref_params = _steps_with_random_events(name, "reference", seed)
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("backends", [("triton",) * 3, ("fused", "triton", "triton"),
+                                      ("triton", "fused", "fused")], ids="-".join)
+@pytest.mark.parametrize("seed", [0, 1])
+@BOTH
+def test_user_events_over_groups_on_several_backends_between_repeated_steps(backends, name,
+                                                                            seed):
+    """The same with one gradient in fifty missing, so that most steps have every gradient
+    and repeat (fused and Triton groups side by side) between the events."""
+    if _backends.extension_error() is not None or not HAS_TRITON:
+        pytest.skip("needs pnm_kernels._C and triton")
+    opt, params = _steps_with_random_events(name, backends, seed, missing=0.02)
+    ref, ref_params = _steps_with_random_events(name, "reference", seed, missing=0.02)
     assert_states_close(opt, params, ref, ref_params)
