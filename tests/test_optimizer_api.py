@@ -1156,16 +1156,18 @@ def test_extra_group_keys_including_tensors_are_carried_along(name):
 def test_a_backward_through_a_graph_that_saved_a_stepped_parameter_raises(path, name):
     """As with torch's optimizers, a step bumps the version counter of every tensor it
     writes, so autograd refuses to reuse a graph that saved a parameter the step changed
-    instead of silently using the new values."""
+    instead of silently using the new values: the first (planned) step and the repeated
+    ones after it."""
     w = torch.randn(3, 3, device=DEVICE, requires_grad=True)
     x = torch.randn(2, 3, device=DEVICE, requires_grad=True)
-    loss = (x @ w).pow(2).sum()  # saves w for x's gradient
-    loss.backward(retain_graph=True)
     opt = OPTIMIZERS[name]([w], lr=0.1, backend=path)
-    opt.step()
-    assert opt.state[w]["step"]._version > 0
-    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
-        loss.backward()
+    for t in range(3):
+        loss = (x @ w).pow(2).sum()  # saves w for x's gradient
+        loss.backward(retain_graph=True)
+        opt.step()
+        assert opt.state[w]["step"]._version > t
+        with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+            loss.backward()
 
 
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
