@@ -22,6 +22,15 @@ from pnm_kernels.reference import noise_norm
 BOTH = pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 
 
+def _planned_steps(opt, monkeypatch):
+    """A list that grows by one at each step of `opt` that plans (see _repeat_step: a
+    repeated step does not)."""
+    plans = []
+    plan = opt._plan
+    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    return plans
+
+
 # --- the maths, against known optimizers -------------------------------------------------
 
 @pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
@@ -173,9 +182,7 @@ def test_steps_where_some_parameters_lack_a_gradient_match_the_reference(path, n
     for o, ps in ((opt, params), (ref, ref_params)):
         o.param_groups[0]["params"] = ps[:3]
         o.add_param_group(dict(params=ps[3:], lr=3e-3))
-    plans = []
-    plan = opt._plan
-    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    plans = _planned_steps(opt, monkeypatch)
     for t in range(20):
         for o, ps in ((opt, params), (ref, ref_params)):
             for i, (p, g) in enumerate(zip(ps, grads_for_step(ps, t))):
@@ -316,9 +323,7 @@ def test_a_scheduled_lr_keeps_the_repeated_step(path, name, monkeypatch):
     opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:], weight_decay=0.1)],
                            lr=1e-2, backend=path)
     sched = torch.optim.lr_scheduler.OneCycleLR(opt, max_lr=0.05, total_steps=20)
-    plans = []
-    plan = opt._plan
-    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    plans = _planned_steps(opt, monkeypatch)
     for t in range(8):
         train(opt, params, 1, start=t)
         sched.step()
@@ -345,9 +350,7 @@ def test_a_repeated_step_over_fused_and_triton_groups(name, monkeypatch):
                             dict(params=params[2:], backend="triton", lr=3e-3)], lr=1e-2)
     ref = OPTIMIZERS[name]([dict(params=ref_params[:2]), dict(params=ref_params[2:], lr=3e-3)],
                            lr=1e-2, backend="reference")
-    plans = []
-    plan = opt._plan
-    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    plans = _planned_steps(opt, monkeypatch)
     for t in range(9):
         for o, ps in ((opt, params), (ref, ref_params)):
             for i, (p, g) in enumerate(zip(ps, grads_for_step(ps, t))):
@@ -567,9 +570,7 @@ def test_state_put_in_by_hand_and_let_go_of_keeps_the_repeated_step(path, name, 
         opt.state = collections.defaultdict(dict)
     else:
         opt.load_state_dict(opt.state_dict())
-    plans = []
-    plan = opt._plan
-    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    plans = _planned_steps(opt, monkeypatch)
     train(opt, params, 4, start=2)
     assert len(plans) == 1
 
@@ -610,9 +611,7 @@ def test_reading_the_state_between_steps_keeps_the_repeated_step(path, name, mon
     params = make_params([(50,), (3, 3), (7,)])
     opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
     frozen = params[2]
-    plans = []
-    plan = opt._plan
-    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    plans = _planned_steps(opt, monkeypatch)
     for t in range(4):
         train(opt, params[:2], 1, start=t)
         assert [len(opt.state[p]) for p in params] == [len(opt.state[params[0]])] * 2 + [0]
