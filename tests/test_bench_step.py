@@ -6,10 +6,12 @@ import shutil
 import sys
 
 import pytest
+import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_step  # noqa: E402
-from conftest import DEVICE  # noqa: E402
+from compiled_peer import CompiledAdaPNM, CompiledPNM  # noqa: E402
+from conftest import DEVICE, OPTIMIZERS, clone_params, make_params, train  # noqa: E402
 from pnm_kernels._ops import extension_error  # noqa: E402
 
 
@@ -39,6 +41,28 @@ def test_ratios_to_torch_are_paired_round_by_round():
     assert r["gbps_vs_torch_fused"] == pytest.approx(1.0)
     r = bench_step.versus_peer(dict(ours, paired=False), peer)
     assert r["time_vs_torch_fused"] == pytest.approx(0.5) and r["compared"] == "ratio of medians"
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_the_compiled_peer_steps_like_the_reference_in_one_graph(name):
+    """The [torch.compile] rows time DESIGN.md §1's maths: the peer the benchmark compiles
+    matches the reference, buffers included, over both parities, and its one graph takes the
+    two momentum lists in either order (a recompile every other step would time the compiler)."""
+    from torch._dynamo.testing import CompileCounter
+
+    counter = CompileCounter()
+    params = make_params([(7,), (3, 5), ()])
+    ref_params = clone_params(params)
+    peer_class = {"PNM": CompiledPNM, "AdaPNM": CompiledAdaPNM}[name]
+    peer = peer_class(params, lr=1e-2, compile_backend=counter)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend="reference")
+    train(peer, params, 9)
+    train(ref, ref_params, 9)
+    assert counter.frame_count == 1
+    for p, r in zip(params, ref_params):
+        torch.testing.assert_close(p.detach(), r.detach())
+        for key, buffer in peer.state[p].items():
+            torch.testing.assert_close(buffer, ref.state[r][key], msg=key)
 
 
 def test_unknown_set_is_refused():
@@ -94,7 +118,7 @@ def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_be
         assert worst((b["block"], b["iters"], b["num_warps"])) == max(map(worst, configs))
 
     bench_step.main(["--device", "cpu", "--sets", "small2000", "--rounds", "1",
-                     "--no-compiled-reference", "--triton-configs", str(out),
+                     "--no-compiled", "--triton-configs", str(out),
                      "--out", str(tmp_path)])
     info = json.loads((tmp_path / "bench_step-cpu-float32.json").read_text())["machine"]
     assert info["triton_configs"]["float32/PNM"]["block"] == best["PNM"]["block"]
