@@ -383,7 +383,7 @@ def plot(results, copy_gbps, info, path):
     colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
     markers = "os^vD<>ph*"
     for i, label in enumerate(labels):
-        ours = label.startswith(("PNM", "AdaPNM"))
+        ours = label.startswith(("PNM", "AdaPNM")) and "torch.compile" not in label
         kw = dict(color=colors[i % len(colors)], marker=markers[i // len(colors) % len(markers)])
         rows = [r for r in results if r["label"] == label and "gbps" in r]
         flat = sorted((r["numel"], r["gbps"]) for r in rows if r["set"].startswith("flat"))
