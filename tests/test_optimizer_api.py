@@ -334,6 +334,37 @@ def test_a_scheduled_lr_keeps_the_repeated_step(path, name, monkeypatch):
         assert len(plans) == 2
 
 
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@BOTH
+def test_step_hooks_run_around_every_step_and_their_edits_are_stepped(path, name):
+    """torch's step hooks (the optimizer's own and the global ones) run around every step,
+    repeated ones included, and what a pre-hook changes (gradients clipped in place or
+    replaced, a new lr) is what the step uses: the reference, given the same hooks, agrees."""
+    from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    calls = []
+
+    def pre_hook(optimizer, args, kwargs):
+        calls.append("pre")
+        group_params = optimizer.param_groups[0]["params"]
+        torch.nn.utils.clip_grad_norm_(group_params[:2], 1.0)  # in place
+        group_params[2].grad = group_params[2].grad * 0.5  # a new tensor
+        optimizer.param_groups[0]["lr"] *= 0.9
+
+    for o in (opt, ref):
+        o.register_step_pre_hook(pre_hook)
+        o.register_step_post_hook(lambda optimizer, args, kwargs: calls.append("post"))
+    handle = register_optimizer_step_pre_hook(lambda optimizer, args, kwargs: calls.append("global"))
+    try:
+        train(opt, params, 6)
+        train(ref, ref_params, 6)
+    finally:
+        handle.remove()
+    assert calls == ["global", "pre", "post"] * 12
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @BOTH
 def test_a_repeated_step_over_fused_and_triton_groups(name, monkeypatch):
     """A Triton group repeats too, beside a fused one, while every one of its parameters has
