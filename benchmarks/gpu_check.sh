@@ -85,8 +85,8 @@ stage dtensor_step 30 python3 benchmarks/dtensor_step.py --device cuda
 # The torch.compile'd contenders (PNM/AdaPNM in foreach ops, torch's SGD/Adam), apart from
 # the main tables: compiling takes a while, and a stage cut short writes no table.
 mkdir -p "$WORK/compiled"
-stage bench_compiled 100 python3 benchmarks/bench_step.py --device cuda --sets transformer,flat256M \
-  --rounds 7 --out "$WORK/compiled"
+stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets transformer,flat256M \
+  --rounds 5 --out "$WORK/compiled"
 # Last, within what is left of the deadline. The benchmarks above measure the shipped launch
 # configuration; to try the tuning's choices, run bench_step.py --triton-configs
 # tune_triton.json (runs 3 and 4 of 2026-11-26 did; run 6 compared bf16 candidates side by
