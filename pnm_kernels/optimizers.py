@@ -935,7 +935,9 @@ class PNM(_PositiveNegativeMomentum):
 
     Args:
         params: parameters or param groups.
-        lr: learning rate (float or 0-dim tensor).
+        lr: learning rate (float or 0-dim tensor). The momentum is an average, not torch
+            SGD's sum: ``lr/(1-beta1)`` keeps the step of ``SGD(lr, momentum=beta1)``,
+            before the noise normalisation.
         betas: ``(beta1, beta0)``: momentum coefficient and positive-negative coefficient.
             ``beta0 = -beta1/(1+beta1)`` is ordinary EMA momentum up to the normalisation.
         weight_decay: weight-decay coefficient.
