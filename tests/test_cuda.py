@@ -61,8 +61,7 @@ def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_
 def test_a_step_compiled_in_reduce_overhead_mode_replays_as_a_cuda_graph(name):
     """torch.compile(opt.step, mode="reduce-overhead"): inductor records the step as a CUDA
     graph (no cudagraph skip) and replays it; with a device lr halved in place every other
-    step it matches an eager optimizer. (No LR scheduler here: a scheduler wraps opt.step in
-    a function dynamo does not trace, for torch's optimizers too.)"""
+    step (what a replayed graph reads) it matches an eager optimizer."""
     from torch._dynamo.utils import counters
 
     torch._dynamo.reset()
