@@ -82,7 +82,7 @@ stage memcheck 80 "$SANITIZER" --tool memcheck --error-exitcode 3 python3 "$WORK
 stage gpt_fsdp2 100 python3 benchmarks/gpt_fsdp2.py --steps 20 --warmup 3
 stage missing_grads 40 python3 benchmarks/missing_grads.py --device cuda --steps 30
 stage dtensor_step 30 python3 benchmarks/dtensor_step.py --device cuda
-# The torch.compile'd contenders (PNM/AdaPNM in foreach ops, torch's SGD/Adam), apart from
+# The torch.compile'd contenders (the reference, PNM/AdaPNM in foreach ops, torch's SGD/Adam), apart from
 # the main tables: compiling takes a while, and a stage cut short writes no table.
 mkdir -p "$WORK/compiled"
 stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets transformer,flat256M \
@@ -101,7 +101,7 @@ grep -E "^(FAILED|ERROR)" "$WORK/tests.log" | head -30
 for f in "$WORK"/bench_step-cuda-*.md; do
   [ -f "$f" ] && head -1 "$f" && grep -E "\[(fused|triton)\]" "$f" | cut -c1-150
 done
-grep -E "\[(fused|torch.compile)\]" "$WORK/compiled/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
+grep -E "\[fused\]|torch.compile\]" "$WORK/compiled/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
 grep -A6 "^best" "$WORK/tune_triton.log" 2>/dev/null
 tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
 tail -3 "$WORK/memcheck.log" 2>/dev/null

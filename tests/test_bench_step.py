@@ -45,7 +45,7 @@ def test_ratios_to_torch_are_paired_round_by_round():
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_the_compiled_peer_steps_like_the_reference_in_one_graph(name):
-    """The [torch.compile] rows time DESIGN.md §1's maths: the peer the benchmark compiles
+    """The [user foreach+torch.compile] rows time DESIGN.md §1's maths: the peer compiled
     matches the reference, buffers included, over both parities, and its one graph takes the
     two momentum lists in either order (a recompile every other step would time the compiler)."""
     from torch._dynamo.testing import CompileCounter
