@@ -378,9 +378,10 @@ def write_table(results, copy_gbps, info):
                      f"{r['state_bytes'] / 2**20:.0f} |")
     if any("torch.compile" in r["label"] for r in results):
         lines += ["", "[reference+torch.compile]: `torch.compile(opt.step)` over the per-parameter "
-                  "reference; it breaks the graph at each parameter's host-side step count "
-                  "and, past dynamo's recompile limit, runs eagerly (its warnings are silenced "
-                  "here). [user foreach+torch.compile]: PNM/AdaPNM in foreach ops, compiled "
+                  "reference; it breaks the graph at each parameter's host-side step count, "
+                  "compiles per parameter, and runs the parameters past dynamo's recompile "
+                  "limit (8) eagerly (its warnings are silenced here). "
+                  "[user foreach+torch.compile]: PNM/AdaPNM in foreach ops, compiled "
                   "into one graph (benchmarks/compiled_peer.py). torch's "
                   "[foreach+torch.compile]: `torch.compile(opt.step)` over `foreach=True`."]
     return "\n".join(lines)
