@@ -31,6 +31,8 @@ from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 
 # Bytes per element per step (fp32; scaled by the element size for other dtypes).
 BYTES_PER_ELEMENT = {"PNM": 24, "AdaPNM": 40, "SGD-momentum": 20, "Adam-amsgrad": 36}
+# State tensors per parameter tensor (amsgrad on).
+STATE_COPIES = {"PNM": 2, "AdaPNM": 4, "SGD-momentum": 1, "Adam-amsgrad": 3}
 
 
 def transformer_shapes(d=512, layers=6, vocab=8192, ff=4):
@@ -245,8 +247,9 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         # The compiled reference's graph breaks and recompile limit are expected (see the
         # table's note), not news: dynamo's warnings about them would fill the screen.
         logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
-    # states of all contenders together: about 4 + 4 + 2 + 2 + 3 + 3 + 1 + 1 copies
-    interleaved = fits_in_memory(4 * 24, numel, dtype, device)
+    # Interleaved when the parameters, gradients and every contender's state fit together.
+    copies = 2 + sum(STATE_COPIES[family] for _, family, _ in entries)
+    interleaved = fits_in_memory(4 * copies, numel, dtype, device)
     params = [torch.zeros(s, device=device, dtype=dtype).normal_().requires_grad_()
               for s in shapes]
     for p in params:
