@@ -55,9 +55,9 @@ tail -4 "$WORK/tests.log"
 
 SETS_F32=tiny2000,small2000,resnet50,transformer,gpt2-124m,llama-1b,flat1M,flat16M,flat64M,flat256M,flat1024M
 stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SETS_F32" --rounds 9 \
-  --no-compiled-reference --out "$WORK"
+  --no-compiled --out "$WORK"
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
-  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled-reference \
+  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled \
   --out "$WORK"
 
 cat > "$WORK/sanitize_step.py" <<'PY'
