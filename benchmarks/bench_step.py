@@ -244,9 +244,6 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         # The compiled graphs of earlier sets are of no use here, and each compiled code
         # object may only recompile 8 times before dynamo runs it eagerly: start afresh.
         torch._dynamo.reset()
-        # The compiled reference's graph breaks and recompile limit are expected (see the
-        # table's note), not news: dynamo's warnings about them would fill the screen.
-        logging.getLogger("torch._dynamo").setLevel(logging.ERROR)
     # Interleaved when the parameters, gradients and every contender's state fit together.
     copies = 2 + sum(STATE_COPIES[family] for _, family, _ in entries)
     interleaved = fits_in_memory(4 * copies, numel, dtype, device)
@@ -466,11 +463,17 @@ def main(argv=None):
                                else (256 << 20))
     progress = Progress(rounds * len(names))
     results = []
+    # The compiled reference's graph breaks and recompile limit are expected (see the table's
+    # note), not news: dynamo's warnings about them would fill the screen.
+    dynamo_log = logging.getLogger("torch._dynamo")
+    dynamo_level = dynamo_log.level
+    dynamo_log.setLevel(logging.ERROR)
     try:
         for name in names:
             results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round,
                                  progress, skip_compiled=args.quick or args.no_compiled)
     finally:
+        dynamo_log.setLevel(dynamo_level)
         if args.triton_configs:
             set_launch_config(None)
     table = write_table(results, copy_gbps, info)

@@ -1,6 +1,7 @@
 """The benchmark script runs in --quick mode and writes a well-formed record (no timings are
 judged here: figures belong to benchmarks, not tests)."""
 import json
+import logging
 import os
 import shutil
 import sys
@@ -63,6 +64,24 @@ def test_the_compiled_peer_steps_like_the_reference_in_one_graph(name):
         torch.testing.assert_close(p.detach(), r.detach())
         for key, buffer in peer.state[p].items():
             torch.testing.assert_close(buffer, ref.state[r][key], msg=key)
+
+
+def test_a_full_run_times_every_compiled_contender(tmp_path):
+    """Outside --quick the main job compiles: the compiled reference, the compiled foreach
+    peer and torch's compiled optimizers each give a time, none an error row; dynamo's
+    warnings, silenced while it runs, are back after."""
+    dynamo_level = logging.getLogger("torch._dynamo").level
+    bench_step.main(["--device", "cpu", "--sets", "flat1M", "--rounds", "1", "--out",
+                     str(tmp_path)])
+    record = json.loads((tmp_path / "bench_step-cpu-float32.json").read_text())
+    compiled = {r["label"]: r for r in record["results"] if "torch.compile" in r["label"]}
+    assert set(compiled) == {f"{family}[{how}+torch.compile]" for family, how in [
+        ("PNM", "reference"), ("AdaPNM", "reference"), ("PNM", "user foreach"),
+        ("AdaPNM", "user foreach"), ("torch.SGD-momentum", "foreach"),
+        ("torch.Adam-amsgrad", "foreach")]}
+    assert all("error" not in r and r["ms"] > 0 for r in compiled.values()), compiled
+    assert "[user foreach+torch.compile]:" in (tmp_path / "bench_step-cpu-float32.md").read_text()
+    assert logging.getLogger("torch._dynamo").level == dynamo_level  # its warnings are back
 
 
 def test_unknown_set_is_refused():
