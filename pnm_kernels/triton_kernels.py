@@ -325,8 +325,7 @@ def step(adaptive, batch, hp, grad_scale, found_inf):
                               batch.memo)
     else:
         tables = _tables(lists, batch.steps, device, chunk)
-    _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf,
-            _blocks_done(batch.memo, device))
+    _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf, batch.memo)
     # The kernels wrote through raw pointers: tell autograd, as torch's in-place ops do (C++
     # for a held batch: from Python it costs ~35 ns a tensor).
     if held is not None:
@@ -351,14 +350,14 @@ def prepare_own_grad_step(adaptive, lists, memo, device, dtype, hp, use_taken):
                           memo)
 
     def launch(grad_scale, found_inf):
-        _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf,
-                _blocks_done(memo, device))
+        _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf, memo)
         lists.bump_versions(needed)
     return launch
 
 
-def _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf, blocks_done):
-    """The step's launches over these tables: one, or two where there is no blocks_done."""
+def _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf, memo):
+    """The step's launches over these tables: one, or two where there is no ticket counter
+    (see _blocks_done; `memo` is the batch's)."""
     ptr_table, numels, step_table, chunk_tensor, chunk_start, n_chunks, aligned = tables
     n = numels.numel()
     amsgrad = adaptive and hp["amsgrad"]
@@ -369,9 +368,9 @@ def _launch(adaptive, tables, config, device, dtype, hp, grad_scale, found_inf, 
     beta2 = hp.get("beta2", 0.0)
     log = lambda b: math.log(b) if b > 0 else -math.inf  # noqa: E731
     dummy = step_table  # stands in for absent optional pointers (never read)
-    if not n_chunks:
-        blocks_done = None  # only the counters' launch
-    else:
+    # An all-empty batch gets no ticket counter: only the counters' launch runs.
+    blocks_done = _blocks_done(memo, device) if n_chunks else None
+    if n_chunks:
         _step_kernel[(n_chunks,)](
             ptr_table, numels, step_table, chunk_tensor, chunk_start, n,
             float(lr), lr_tensor if lr_tensor is not None else dummy,
