@@ -197,14 +197,22 @@ def run_fused(adaptive, batch, hp, grad_scale, found_inf):
         op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.steps, **common)
 
 
+def traceable(backend: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that runs a batch under torch.compile. Dynamo cannot trace the Triton
+    step (its kernels read pointer tables): the same maths over the same state runs traced
+    in the fused kernels, or in foreach ops without the extension (a Triton-only install).
+    Decided where dynamo does not trace (the optimizer's _init_group): traced, asking
+    whether the extension has CUDA kernels broke the graph."""
+    if backend in ("triton", "triton_eager"):
+        return "fused" if fused_unavailable_reason(device, dtype) is None else "foreach"
+    return backend
+
+
 def run_triton(adaptive, batch, hp, grad_scale, found_inf):
-    if torch.compiler.is_compiling():
-        # Dynamo cannot trace the Triton step (its kernels read pointer tables): under
-        # torch.compile the same maths over the same state runs traced, in the fused
-        # kernels, or in foreach ops without the extension (a Triton-only install).
+    if torch.compiler.is_compiling():  # not reached from the traced step (see traceable)
         param = batch.params[0]
-        fused = fused_unavailable_reason(param.device, param.dtype) is None
-        return (run_fused if fused else run_foreach)(adaptive, batch, hp, grad_scale, found_inf)
+        backend = traceable("triton", param.device, param.dtype)
+        return RUNNERS[backend](adaptive, batch, hp, grad_scale, found_inf)
     from . import triton_kernels
 
     triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)

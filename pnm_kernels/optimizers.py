@@ -312,6 +312,31 @@ def _put(state: dict, key, value) -> None:
     dict.__setitem__(state, key, value)
 
 
+def _register_as_dicts() -> None:
+    """Pytree walks over optimizer.state go through our dict subclasses as through dicts.
+    torch.compile marks torch's optimizers' state tensors static that way (mode=
+    "reduce-overhead" then keeps the step's CUDA graph and updates them in place); as
+    leaves, one parameter's state became graph inputs copied in, and the graph was skipped
+    for "mutated inputs" (H200 run 7)."""
+    from torch.utils import _pytree as pytree
+
+    def flatten(d):
+        return list(d.values()), list(d.keys())
+
+    def flatten_with_keys(d):
+        return [(pytree.MappingKey(k), v) for k, v in d.items()], list(d.keys())
+
+    pytree.register_pytree_node(
+        _ParamState, flatten, lambda values, keys: _ParamState(zip(keys, values)),
+        flatten_with_keys_fn=flatten_with_keys)
+    pytree.register_pytree_node(
+        _OptimizerState, flatten, lambda values, keys: _OptimizerState(None, zip(keys, values)),
+        flatten_with_keys_fn=flatten_with_keys)
+
+
+_register_as_dicts()
+
+
 def _references(holder: dict, key) -> int:
     return sys.getrefcount(dict.get(holder, key))
 
@@ -731,6 +756,11 @@ class _PositiveNegativeMomentum(Optimizer):
                     param.copy_(dense)
                 start = end
 
+    # Never compiled as a frame of its own: when a graph break leaves _traced_step running
+    # eagerly, dynamo compiled this alone and specialised its state lookups on the first
+    # parameter, unguarded (every group got the first one's state). torch's own way of
+    # disabling dynamo, imported when first called.
+    @torch._disable_dynamo
     def _init_group(self, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps):
         """For torch.compile (see _traced_step), which runs this untraced: validates the
         group, checks its gradients, makes missing state, and fills the lists with the
@@ -743,7 +773,8 @@ class _PositiveNegativeMomentum(Optimizer):
         indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
         names = self._buffers_needed(group)
         out = []
-        for backend, idx, _, _ in self._group_batches(group, gi, indices):
+        for backend, idx, _, (device, dtype) in self._group_batches(group, gi, indices):
+            backend = _backends.traceable(backend, device, dtype.to_real())
             copies = []
             for pi in idx:
                 p = group["params"][pi]

@@ -19,10 +19,14 @@ def _models(n=2):
     return models
 
 
+@pytest.mark.parametrize("backend", ["fused", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed"))])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_compiled_step_has_no_graph_break(name):
+def test_compiled_step_has_no_graph_break(name, backend):
+    """Also with backend="triton", which runs the fused kernels when traced (on a GPU,
+    deciding that inside the traced step once broke the graph)."""
     model = _models(1)[0]
-    opt = OPTIMIZERS[name](model.parameters(), lr=torch.tensor(1e-2), backend="fused")
+    opt = OPTIMIZERS[name](model.parameters(), lr=torch.tensor(1e-2), backend=backend)
     model(torch.randn(8, 16, device=DEVICE)).sum().backward()
     opt.step()
     explain = torch._dynamo.explain(opt.step)()
@@ -189,3 +193,66 @@ def test_the_step_compiles_into_one_graph_with_fullgraph(name):
         opt.param_groups[0]["lr"].mul_(0.5)
     assert counter.frame_count == 1
     assert [opt.state[p]["step"].item() for p in params] == [4, 4]
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_the_compiled_step_takes_parameters_and_state_as_static_inputs(name):
+    """What mode="reduce-overhead" needs to keep its CUDA graph (tests/test_cuda.py replays
+    one): every tensor the step writes, parameters and all their state, is static to the
+    graph, as torch's optimizers' are; only the gradients and the lr are copied in. State
+    made by eager steps before, two groups, amsgrad's extra buffer."""
+    torch._dynamo.reset()
+    model = _models(1)[0]
+    first, *rest = list(model.parameters())
+    extra = dict(amsgrad=True) if name == "AdaPNM" else {}
+    opt = OPTIMIZERS[name]([dict(params=[first]), dict(params=rest, lr=1e-3)],
+                           lr=torch.tensor(1e-2, device=DEVICE), backend="fused", **extra)
+    copied_in = []
+
+    def backend(gm, example_inputs):  # static as recorded when the input was traced
+        inputs = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        copied_in.extend(x for node, x in zip(inputs, example_inputs, strict=True)
+                         if isinstance(x, torch.Tensor) and "_dynamo_static_input_type"
+                         not in node.meta.get("tensor_dict", {}))
+        return gm
+
+    step = torch.compile(opt.step, backend=backend)
+    x = torch.randn(8, 16, device=DEVICE)
+    for t in range(3):
+        opt.zero_grad(set_to_none=False)
+        model(x).square().sum().backward()
+        (step if t else opt.step)()
+    written = list(model.parameters()) + [v for s in opt.state.values() for v in s.values()]
+    assert len(written) == 4 * (6 if name == "AdaPNM" else 4)  # each parameter and its state
+    addresses = {t.data_ptr() for t in written}
+    assert copied_in and not [t for t in copied_in if t.data_ptr() in addresses]
+    grads_and_lr = {p.grad.data_ptr() for p in model.parameters()} | {opt.param_groups[0]["lr"].data_ptr()}
+    assert {t.data_ptr() for t in copied_in} <= grads_and_lr
+
+
+BACKENDS = ["reference", "foreach", "fused", pytest.param("triton", marks=pytest.mark.skipif(
+    not HAS_TRITON, reason="triton is not installed"))]
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_a_compiled_step_gives_what_eager_gives_with_every_backend(name, backend):
+    """torch.compile(opt.step) over two groups, state included, with every backend. The
+    reference breaks the graph (it reads each step count on the host), and dynamo then
+    compiles the step's inner functions as frames of their own: compiled alone, _init_group
+    once gave every group the first parameter's state (silently, 2026-11-26)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        params = [torch.randn(s, device=DEVICE, requires_grad=True) for s in (7, (3, 4), 5, 6)]
+        opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:], lr=3e-3)],
+                               lr=1e-2, weight_decay=0.1, backend=backend)
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for t in range(4):
+            gen = torch.Generator().manual_seed(t)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen).to(DEVICE)
+            step()
+        runs.append((opt, params))
+    assert_states_close(*runs[1], *runs[0])

@@ -669,6 +669,30 @@ def test_a_state_dict_loads_with_weights_only(name):
     assert torch.equal(step.cpu(), torch.tensor(2.0))  # (a fast path keeps it on the GPU)
 
 
+@BOTH
+def test_pytree_walks_the_state_as_torchs_dict_state(name):
+    """torch.utils._pytree goes through optimizer.state and each entry as through torch's
+    plain dicts (torch.compile marks state tensors static that way), and maps back to the
+    same kinds of containers."""
+    from torch.utils import _pytree as pytree
+
+    params = make_params([(5,), (2, 3)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 2)
+    leaves, spec = pytree.tree_flatten(opt.state)
+    assert len(leaves) == sum(len(entry) for entry in opt.state.values()) > len(params)
+    assert all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    doubled = pytree.tree_map(lambda t: t * 2, opt.state)
+    assert type(doubled) is type(opt.state) and list(doubled) == list(opt.state)
+    for p in params:
+        assert type(doubled[p]) is type(opt.state[p])
+        for key, value in opt.state[p].items():
+            assert torch.equal(doubled[p][key], value * 2)
+    paths = [path for path, _ in pytree.tree_flatten_with_path(opt.state)[0]]
+    assert [(path[0].key, path[1].key) for path in paths] == [
+        (p, key) for p in opt.state for key in opt.state[p]]
+
+
 def _second_parameter_restarted_after_three_steps(name, path, restart):
     """Three steps, restart(opt, params) on both runs, three more: the second parameter has
     fresh state (3 steps), the others carry on (6), and the fast path matches the reference."""
