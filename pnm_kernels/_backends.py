@@ -244,15 +244,17 @@ RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fuse
            "triton": run_triton, "triton_eager": run_triton_eager}
 # Backends whose kernels need every tensor dense and laid out like its parameter.
 FLAT_BACKENDS = ("fused", "triton", "triton_eager")
-# "auto" on CUDA, from benchmarks/results (H200, 2026-11-26): the fused step took less time
-# on every set under 2^27 elements, by its lower host time (2,000 tensors of 16 elements: 0.81
-# vs 1.49 ms per PNM step in run 5; one tensor of 2^20: 0.046 vs 0.131 ms). From 2^28 fp32
-# elements up (flat256M, llama-1b, flat1024M) the Triton PNM step took 2-3 % less (run 5, the
-# shipped configurations; 1-3 % in runs 3 and 4), the Triton AdaPNM step 1-2 % more (run 5;
-# runs 3 and 4, where it took less, ran other launch configurations). In bf16 the Triton step
-# took 0-1 % less (PNM) or 2-4 % more (AdaPNM) than the fused step (run 6), so 16-bit batches
-# stay fused. Between 2^27 and 2^28 (gpt2-124m) the two were within 3 %.
-AUTO_TRITON_MIN_NUMEL = 1 << 28
+# "auto" on CUDA, from benchmarks/results (H200, 2026-11-26). Run 7, with the repeated Triton
+# step (its pointer tables reused while every parameter has a gradient): the Triton PNM step
+# took 3-9 % less time than the fused one on every float32 set from 2^24 elements (resnet50,
+# transformer, gpt2-124m, llama-1b, flat16M-flat1024M), the Triton AdaPNM step up to 3 % more;
+# in bf16 the Triton step was within 3 % on the flat sets and took 45-70 % more on the
+# transformer set (24M elements in 76 tensors; host-bound there in that run, torch's steps
+# too). On one tensor of 2^20 elements it took twice the time (its launch costs more host
+# time: 0.09 ms against 0.04). On 2,000 small tensors it took 13-26 % less (host work), but
+# only while every parameter has a gradient: a step where some lack one is planned afresh,
+# where the fused step still repeats (not measured on a GPU), so those batches stay fused.
+AUTO_TRITON_MIN_NUMEL = 1 << 24
 
 
 def auto_prefers_triton(device: torch.device, dtype: torch.dtype, numel: Optional[int],
