@@ -88,10 +88,16 @@ stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets t
   --rounds 5 --out "$WORK/compiled"
 # Unchanged by most commits, so after the new measurements.
 stage gpt_fsdp2 100 python3 benchmarks/gpt_fsdp2.py --steps 20 --warmup 3
-# Last, within what is left of the deadline. The benchmarks above measure the shipped launch
-# configuration; to try the tuning's choices, run bench_step.py --triton-configs
-# tune_triton.json (runs 3 and 4 of 2026-11-26 did; run 6 compared bf16 candidates side by
-# side, five bench_step.py processes: results/gpu-h200-2026-11-26-run6/command.sh).
+# The benchmarks above measure the shipped launch configurations. Run 7's tuning chose others
+# for fp32 (AdaPNM 4096 x 4, 16 warps: 98 % of copy bandwidth against the shipped 8192 x 2's
+# 94-95 % in the same tuning run; PNM 8192 x 2, 32 warps): the same benchmark with those, to
+# compare each Triton step with the fused one in both tables before adopting any.
+mkdir -p "$WORK/candidates"
+stage bench_candidates 90 python3 benchmarks/bench_step.py --device cuda --no-compiled --rounds 9 \
+  --sets resnet50,transformer,gpt2-124m,flat64M,flat256M --out "$WORK/candidates" \
+  --triton-configs benchmarks/results/gpu-h200-2026-11-26-run7/tune_triton.json
+# Last, within what is left of the deadline (run 6 compared bf16 candidates side by side, five
+# bench_step.py processes: results/gpu-h200-2026-11-26-run6/command.sh).
 stage tune_triton 120 python3 benchmarks/tune_triton.py --numels 67108864,268435456 \
   --out "$WORK/tune_triton.json"
 
@@ -103,6 +109,7 @@ for f in "$WORK"/bench_step-cuda-*.md; do
   [ -f "$f" ] && head -1 "$f" && grep -E "\[(fused|triton)\]" "$f" | cut -c1-150
 done
 grep -E "\[fused\]|torch.compile\]" "$WORK/compiled/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
+grep -E "\[(fused|triton)\]" "$WORK/candidates/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
 grep -A6 "^best" "$WORK/tune_triton.log" 2>/dev/null
 tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
 tail -3 "$WORK/memcheck.log" 2>/dev/null
