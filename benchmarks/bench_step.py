@@ -365,6 +365,9 @@ def write_table(results, copy_gbps, info):
         lines[1:1] = ["", "Triton launch configurations (--triton-configs): " + "; ".join(
             f"{k} {c['block']} x {c['iters']}, {c['num_warps']} warps"
             for k, c in info["triton_configs"].items())]
+    if info.get("fused_chunk"):
+        lines[1:1] = ["", f"Fused CUDA step: {info['fused_chunk']} elements a block "
+                          "(--fused-chunk; shipped: 65536)"]
     fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
     for r in results:
         if "error" in r:
@@ -439,6 +442,9 @@ def main(argv=None):
     parser.add_argument("--triton-configs", metavar="TUNE_JSON",
                         help="run the Triton backend with the best launch configurations of a "
                              "benchmarks/tune_triton.py run instead of the built-in table")
+    parser.add_argument("--fused-chunk", type=int, metavar="ELEMENTS",
+                        help="elements each block of the fused CUDA step updates (a multiple "
+                             "of 8; shipped 65536): to time other launch shapes")
     args = parser.parse_args(argv)
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda" and not torch.cuda.is_available():
@@ -459,6 +465,14 @@ def main(argv=None):
         info["triton_configs"] = {
             f"{str(dt).removeprefix('torch.')}/{'AdaPNM' if ada else 'PNM'}": dataclasses.asdict(c)
             for (dt, ada), c in configs.items()}
+    if args.fused_chunk:
+        if args.fused_chunk <= 0 or args.fused_chunk % 8:
+            parser.error(f"--fused-chunk: a positive multiple of 8, not {args.fused_chunk}")
+        from pnm_kernels._ops import extension_error, set_launch_limits
+        if extension_error() is not None:
+            parser.error(f"--fused-chunk: the compiled extension is not built ({extension_error()})")
+        set_launch_limits(chunk_size=args.fused_chunk)
+        info["fused_chunk"] = args.fused_chunk
     copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
                                else (256 << 20))
     progress = Progress(rounds * len(names))
@@ -476,6 +490,8 @@ def main(argv=None):
         dynamo_log.setLevel(dynamo_level)
         if args.triton_configs:
             set_launch_config(None)
+        if args.fused_chunk:
+            set_launch_limits()
     table = write_table(results, copy_gbps, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)

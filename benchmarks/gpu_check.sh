@@ -88,14 +88,17 @@ stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets t
   --rounds 5 --out "$WORK/compiled"
 # Unchanged by most commits, so after the new measurements.
 stage gpt_fsdp2 100 python3 benchmarks/gpt_fsdp2.py --steps 20 --warmup 3
-# The benchmarks above measure the shipped launch configurations. Run 7's tuning chose others
-# for fp32 (AdaPNM 4096 x 4, 16 warps: 98 % of copy bandwidth against the shipped 8192 x 2's
-# 94-95 % in the same tuning run; PNM 8192 x 2, 32 warps): the same benchmark with those, to
-# compare each Triton step with the fused one in both tables before adopting any.
+# The benchmarks above measure the shipped launch shapes; these are candidates, timed against
+# torch's fused steps as there, to compare before adopting any. Triton, fp32: what run 7's
+# tuning chose (AdaPNM 4096 x 4, 16 warps: 98 % of copy bandwidth against the shipped 8192 x
+# 2's 94-95 % in that tuning run; PNM 8192 x 2, 32 warps). Fused: 16,384 elements a block
+# instead of 65,536, for sets of mid-size tensors, where 65,536 leaves the last wave of blocks
+# part-empty (run 7: fused 82-84 % of copy bandwidth on resnet50 and the transformer, Triton,
+# with 16,384 a program, 90-91 %; 95-97 % on flat sets).
 mkdir -p "$WORK/candidates"
 stage bench_candidates 90 python3 benchmarks/bench_step.py --device cuda --no-compiled --rounds 9 \
-  --sets resnet50,transformer,gpt2-124m,flat64M,flat256M --out "$WORK/candidates" \
-  --triton-configs benchmarks/results/gpu-h200-2026-11-26-run7/tune_triton.json
+  --sets resnet50,transformer,gpt2-124m,flat16M,flat64M,flat256M --out "$WORK/candidates" \
+  --triton-configs benchmarks/results/gpu-h200-2026-11-26-run7/tune_triton.json --fused-chunk 16384
 # Last, within what is left of the deadline (run 6 compared bf16 candidates side by side, five
 # bench_step.py processes: results/gpu-h200-2026-11-26-run6/command.sh).
 stage tune_triton 120 python3 benchmarks/tune_triton.py --numels 67108864,268435456 \

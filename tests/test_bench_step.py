@@ -12,7 +12,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_step  # noqa: E402
 from compiled_peer import CompiledAdaPNM, CompiledPNM  # noqa: E402
-from conftest import DEVICE, OPTIMIZERS, clone_params, make_params, train  # noqa: E402
+from conftest import (DEVICE, OPTIMIZERS, clone_params, make_params, requires_extension,  # noqa: E402
+                      train)
 from pnm_kernels._ops import extension_error  # noqa: E402
 
 
@@ -82,6 +83,27 @@ def test_a_full_run_times_every_compiled_contender(tmp_path):
     assert all("error" not in r and r["ms"] > 0 for r in compiled.values()), compiled
     assert "[user foreach+torch.compile]:" in (tmp_path / "bench_step-cpu-float32.md").read_text()
     assert logging.getLogger("torch._dynamo").level == dynamo_level  # its warnings are back
+
+
+@requires_extension
+def test_the_fused_chunk_can_be_set_for_a_run_and_is_put_back(tmp_path, monkeypatch):
+    """--fused-chunk times another launch shape of the fused CUDA step, says so in the table
+    and its JSON, and leaves the shipped chunking behind it (65,536 elements a block)."""
+    blocks = lambda numel: len(torch.ops.pnm_kernels._launch_plan([numel])) // 3  # noqa: E731
+    assert blocks(1 << 17) == 2
+    during = []
+    bench_set = bench_step.bench_set
+    monkeypatch.setattr(bench_step, "bench_set",
+                        lambda *a, **k: (during.append(blocks(1 << 17)), bench_set(*a, **k))[1])
+    bench_step.main(["--device", "cpu", "--sets", "flat1M", "--rounds", "1", "--no-compiled",
+                     "--fused-chunk", "16384", "--out", str(tmp_path)])
+    assert during == [8]
+    info = json.loads((tmp_path / "bench_step-cpu-float32.json").read_text())["machine"]
+    assert info["fused_chunk"] == 16384
+    assert "16384 elements a block" in (tmp_path / "bench_step-cpu-float32.md").read_text()
+    assert blocks(1 << 17) == 2
+    with pytest.raises(SystemExit):
+        bench_step.main(["--device", "cpu", "--sets", "flat1M", "--fused-chunk", "1000001"])
 
 
 def test_unknown_set_is_refused():
