@@ -6,16 +6,16 @@ deliberately small: every parameter of the optimizer steps together (one host-si
 picks which momentum buffer is updated; the compiled graph takes the two lists in either
 order), no weight decay, no maximize, no AMP arguments, one param group.
 """
-import math
-
 import torch
+
+from pnm_kernels.reference import noise_norm
 
 
 def _pn_update(m, m_other, grads, beta1, beta0):
     """Updates m in place; returns the positive-negative momentum over its noise norm."""
     torch._foreach_mul_(m, beta1**2)
     torch._foreach_add_(m, grads, alpha=1 - beta1**2)
-    norm = math.sqrt((1 + beta0) ** 2 + beta0**2)
+    norm = noise_norm(beta0)
     update = torch._foreach_mul(m, (1 + beta0) / norm)
     torch._foreach_add_(update, m_other, alpha=-beta0 / norm)
     return update

@@ -209,11 +209,7 @@ def traceable(backend: str, device: torch.device, dtype: torch.dtype) -> str:
 
 
 def run_triton(adaptive, batch, hp, grad_scale, found_inf):
-    if torch.compiler.is_compiling():  # not reached from the traced step (see traceable)
-        param = batch.params[0]
-        backend = traceable("triton", param.device, param.dtype)
-        return RUNNERS[backend](adaptive, batch, hp, grad_scale, found_inf)
-    from . import triton_kernels
+    from . import triton_kernels  # (never under torch.compile: see traceable)
 
     triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)
 
@@ -221,9 +217,9 @@ def run_triton(adaptive, batch, hp, grad_scale, found_inf):
 def run_triton_eager(adaptive, batch, hp, grad_scale, found_inf):
     """"auto" for a large CUDA batch: the Triton step, which moved its bytes a few per cent
     faster than the fused kernels there. Inside a CUDA-graph capture (where gradients
-    allocated in the capture could not be entered in its pointer tables) and under
-    torch.compile, the fused step runs instead: the same state and maths."""
-    if torch.compiler.is_compiling() or torch.cuda.is_current_stream_capturing():
+    allocated in the capture could not be entered in its pointer tables) the fused step runs
+    instead: the same state and maths (under torch.compile too: see traceable)."""
+    if torch.cuda.is_current_stream_capturing():
         run_fused(adaptive, batch, hp, grad_scale, found_inf)
     else:
         run_triton(adaptive, batch, hp, grad_scale, found_inf)
