@@ -38,18 +38,24 @@ class _PlanItem:
 
 
 @dataclass
+class _HeldBatch:
+    """One fused or Triton batch of a param group as the last step ran it, its lists held
+    in C++ (see _repeat_step)."""
+    lists: object  # the batch's pnm_kernels._C StepLists
+    device: torch.device
+    dtype: torch.dtype
+    backend: str  # "fused" or "triton"
+    memo: dict  # the batch's memo (a Triton batch's: its tables and ticket counter)
+
+
+@dataclass
 class _HeldGroup:
-    """A param group as the last step ran it: one fused or Triton batch held in C++ (see
-    _repeat_step)."""
+    """A param group as the last step ran it: one held batch per device and dtype."""
     group: dict
     params: list
     signature: tuple  # its hyper-parameters when last validated (see _signature)
-    lists: object  # the batch's pnm_kernels._C StepLists
-    device: torch.device
     plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
-    backend: str = "fused"  # or "triton"
-    memo: Optional[dict] = None  # a Triton batch's memo: its tables and ticket counter
-    dtype: Optional[torch.dtype] = None
+    batches: list  # [_HeldBatch]
 
 
 def _is_real_number(x) -> bool:
@@ -793,39 +799,53 @@ class _PositiveNegativeMomentum(Optimizer):
 
     def _remember_step(self, plan, batches):
         """After a step (these plan items, run as these batches) in which every param group
-        was one fused or Triton batch held in C++: what the next step needs to repeat it
-        without planning (see _repeat_step). Where some of a group's parameters had no
-        gradient, the lists held are those of all its parameters with state (see
-        _lists_with_state); not for Triton, whose tables name every tensor they update."""
-        groups = self.param_groups
-        if len(plan) != len(groups):
-            return
-        entries = []
-        for item, batch, group in zip(plan, batches, groups):
-            if (item.group is not group or item.backend not in ("fused", "triton")
-                    or batch.memo is None or batch.memo.get("shards")):
+        was run as fused or Triton batches held in C++ (one per device and dtype): what the
+        next step needs to repeat it without planning (see _repeat_step). Where some of a
+        group's parameters had no gradient, the lists held are those of all its parameters
+        with state (see _lists_with_state); not for Triton, whose tables name every tensor
+        they update."""
+        items = list(zip(plan, batches))
+        entries, k = [], 0
+        for group in self.param_groups:
+            mine = []
+            while k < len(items) and items[k][0].group is group:
+                mine.append(items[k])
+                k += 1
+            if not mine:
                 return
-            lists, outside = batch.memo.get("step_lists"), ()
-            if len(item.params) != len(group["params"]):
-                if item.backend == "triton":
+            every_param_stepped = sum(len(item.params) for item, _ in mine) == len(group["params"])
+            kinds = {(item.params[0].device, item.params[0].dtype) for item, _ in mine}
+            held = []
+            for item, batch in mine:
+                if (item.backend not in ("fused", "triton") or batch.memo is None
+                        or batch.memo.get("shards")):
                     return
-                lists, outside = self._lists_with_state(group, item, lists)
-            if lists is None:
-                return
-            lists.hold_outside(list(outside))
+                lists, outside = batch.memo.get("step_lists"), ()
+                if not every_param_stepped:
+                    if item.backend == "triton":
+                        return
+                    lists, outside = self._lists_with_state(group, item, lists, kinds)
+                if lists is None:
+                    return
+                # The parameters without state are checked once, by the group's first batch.
+                lists.hold_outside(list(outside) if not held else [])
+                held.append(_HeldBatch(lists, item.params[0].device, item.params[0].dtype,
+                                       item.backend, batch.memo))
             entries.append(_HeldGroup(group, list(group["params"]), self._validated[id(group)],
-                                      lists, item.params[0].device,
-                                      (group["backend"], self._buffers_needed(group)),
-                                      item.backend, batch.memo, item.params[0].dtype))
-        self._repeat = (self._state_version(), entries)
+                                      (group["backend"], self._buffers_needed(group)), held))
+        if k == len(items):
+            self._repeat = (self._state_version(), entries)
 
-    def _lists_with_state(self, group, item, lists):
-        """For a group of which only some parameters stepped (the plan item's): C++ lists of
-        every parameter with state, so that steps where others lack a gradient (mixture-of-
-        experts layers, unused branches) repeat too, those without one skipped in C++; and
-        the parameters without state, which must get none. (None, ()) where a parameter with
-        state cannot join the batch's lists (another device, dtype or layout, or state not
-        made like the batch's). `lists`: the batch's own, used when they are all of them."""
+    def _lists_with_state(self, group, item, lists, kinds):
+        """For a group of which only some parameters stepped (the plan item's, one of the
+        group's batches, whose (device, dtype) pairs are `kinds`): C++ lists of every
+        parameter with state on the item's device and of its dtype, so that steps where
+        others lack a gradient (mixture-of-experts layers, unused branches) repeat too,
+        those without one skipped in C++; and the group's parameters without state, which
+        must get none. (None, ()) where a parameter with state belongs to no batch of the
+        step (another device or dtype) or cannot join the item's lists (another layout,
+        state not made like the batch's). `lists`: the batch's own, used when they are all
+        of them."""
         names = self._buffers_needed(group)
         device, dtype = item.params[0].device, item.params[0].dtype
         held, states, outside = [], [], []
@@ -834,6 +854,8 @@ class _PositiveNegativeMomentum(Optimizer):
             if not state:
                 outside.append(p)
                 continue
+            if (p.device, p.dtype) != (device, dtype) and (p.device, p.dtype) in kinds:
+                continue  # another batch of the step holds it
             if not (type(state) is _ParamState and _holdable(p) and p.device == device
                     and p.dtype == dtype and getattr(state.get("step"), "device", None) == device
                     and all(name in state and _state_fits(state[name], p) for name in names)):
@@ -873,52 +895,56 @@ class _PositiveNegativeMomentum(Optimizer):
                 if (group["backend"], self._buffers_needed(group)) != held.plan_keys:
                     return False
                 held.signature = self._validated[id(group)] = signature
-        several = len(entries) > 1
-        if several and not all(held.lists.take_own_grads() for held in entries):
-            self._drop_taken_grads(entries)
+        batches = []  # (the group's hyper-parameters, a held batch of it)
+        for held in entries:
+            hp = self._hyper(held.group)
+            batches.extend((hp, batch) for batch in held.batches)
+        several = len(batches) > 1
+        if several and not all(batch.lists.take_own_grads() for _, batch in batches):
+            self._drop_taken_grads(batches)
             return False
         # Triton batches first take their gradients and tables, for every group before any
         # steps: their kernels check nothing, so one that cannot step stops the whole step.
         launches = {}
-        for i, held in enumerate(entries):
-            if held.backend == "triton":
+        for i, (hp, batch) in enumerate(batches):
+            if batch.backend == "triton":
                 try:
                     launches[i] = _backends.prepare_triton_own_grads(
-                        self._adaptive, held.lists, held.memo, held.device, held.dtype,
-                        self._hyper(held.group), several)
+                        self._adaptive, batch.lists, batch.memo, batch.device, batch.dtype,
+                        hp, several)
                 except RuntimeError:  # tables to build inside a capture: the careful step
                     launches[i] = None  # says what to do
                 if launches[i] is None:
-                    self._drop_taken_grads(entries)
+                    self._drop_taken_grads(batches)
                     return False
-        per_device = {}  # read once per step, not per group: host time is most of it here
-        for i, held in enumerate(entries):
-            extra = per_device.get(held.device)
+        per_device = {}  # read once per step, not per batch: host time is most of it here
+        for i, (hp, batch) in enumerate(batches):
+            extra = per_device.get(batch.device)
             if extra is None:
-                extra = per_device[held.device] = (
-                    _backends.emulating(held.device), held.device,
-                    *(None if t is None else t.to(held.device, non_blocking=True)
+                extra = per_device[batch.device] = (
+                    _backends.emulating(batch.device), batch.device,
+                    *(None if t is None else t.to(batch.device, non_blocking=True)
                       for t in (grad_scale, found_inf)))
             try:
-                if held.backend == "triton":
+                if batch.backend == "triton":
                     launches[i](*extra[2:])
                     continue
                 done = _backends.run_fused_own_grads(
-                    self._adaptive, held.lists, self._hyper(held.group), several, *extra)
+                    self._adaptive, batch.lists, hp, several, *extra)
             except RuntimeError:
-                self._drop_taken_grads(entries)
+                self._drop_taken_grads(batches)
                 if i == 0:  # refused before touching anything: the careful path says why
                     return False
                 raise  # a later batch refused after earlier ones stepped, as in _run
-            if not done:  # only without `several`, so in the first and only group
+            if not done:  # only without `several`, so in the first and only batch
                 return False
         return True
 
     @staticmethod
-    def _drop_taken_grads(entries):
+    def _drop_taken_grads(batches):
         """The gradients take_own_grads() took and no step used: not kept until the next."""
-        for held in entries:
-            held.lists.drop_taken_grads()
+        for _, batch in batches:
+            batch.lists.drop_taken_grads()
 
     def _run(self, plan, grad_scale, found_inf):
         """Runs every item of the plan; returns the batches it ran."""
