@@ -128,9 +128,9 @@ def _is_plain(t) -> bool:
 
 
 def _holdable(p) -> bool:
-    """A parameter the kernels take as it is (plain, real, contiguous): its lists can be
-    held between steps."""
-    return _is_plain(p) and not p.is_complex() and p.is_contiguous()
+    """A parameter the kernels take as it is (plain, real, dense: contiguous, channels_last,
+    transposed): its lists can be held between steps."""
+    return _is_plain(p) and not p.is_complex() and (p.is_contiguous() or _is_dense(p))
 
 
 def _shard_holdable(p) -> bool:

@@ -381,6 +381,47 @@ def test_a_group_of_several_dtypes_repeats_its_steps(path, name, skip_every, mon
     assert_states_close(*runs[0], *runs[1], rtol=0, atol=0)
 
 
+def _dense_odd_layout_steps(name, path, repeat, monkeypatch):
+    """Ten steps over channels_last and transposed parameters (with a contiguous one), the
+    gradients laid out like them, as autograd lays them out, but for step 5, where each
+    gradient is given contiguous by hand. Returns the optimizer, its parameters and which
+    steps repeated the last one (see _repeat_step)."""
+    gen = torch.Generator().manual_seed(0)
+    tensors = [torch.randn(3, 4, 2, 5, generator=gen).to(memory_format=torch.channels_last),
+               torch.randn(7, 6, generator=gen).t(), torch.randn(9, generator=gen)]
+    params = [t.to(DEVICE).requires_grad_() for t in tensors]
+    opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=0.1, backend=path)
+    if not repeat:
+        _never_repeating(opt)
+    repeated, repeat_step = [], opt._repeat_step
+    monkeypatch.setattr(opt, "_repeat_step",
+                        lambda *a: repeated.append(repeat_step(*a)) or repeated[-1])
+    for t in range(10):
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g.contiguous() if t == 5 else torch.empty_like(p).copy_(g)
+        opt.step()
+    return opt, params, repeated
+
+
+@pytest.mark.parametrize("path", ["fused", "emulated", "triton"], indirect=True)
+@BOTH
+def test_dense_parameters_of_other_layouts_repeat_their_steps(path, name, monkeypatch):
+    """channels_last and transposed parameters (dense, not contiguous) are held like
+    contiguous ones: their steps repeat (no planning; see _repeat_step); a step whose
+    gradients are laid out unlike them is planned (and copied into their layout), and the
+    steps give bit for bit what steps planned afresh every time give, and the reference's."""
+    opt, params, repeated = _dense_odd_layout_steps(name, path, True, monkeypatch)
+    again, again_params, _ = _dense_odd_layout_steps(name, path, False, monkeypatch)
+    ref, ref_params, _ = _dense_odd_layout_steps(name, "reference", True, monkeypatch)
+    assert repeated == [False] + [True] * 4 + [False] + [True] * 4
+    assert_states_close(opt, params, again, again_params, rtol=0, atol=0)
+    assert_states_close(opt, params, ref, ref_params)
+    for p in params:
+        for key, buffer in opt.state[p].items():
+            if key != "step":
+                assert buffer.stride() == p.stride(), key
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_step_hooks_run_around_every_step_and_their_edits_are_stepped(path, name):
