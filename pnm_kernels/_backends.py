@@ -329,7 +329,29 @@ def held_lists_ok(batch) -> bool:
     lists = step_lists(batch)
     if lists is not None:
         return lists.held_lists_ok()
-    # Without the extension (a Triton-only install), the same check in Python. Cached
-    # batches hold contiguous tensors only.
-    return all(p.is_contiguous() and b.dtype == p.dtype and b.device == p.device
-               and b.shape == p.shape for p, b in zip(batch.params, batch.buffers[0]))
+    # Without the extension (a Triton-only install), the same check in Python.
+    return all(b.dtype == p.dtype and b.device == p.device and b.shape == p.shape
+               and dense_like(b, p) for p, b in zip(batch.params, batch.buffers[0]))
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Its elements fill one block of memory without gaps or overlap, in some dim order."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` is dense and laid out like `b` (equal strides where a dimension has 2 or more)."""
+    if not is_dense(a):
+        return False
+    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def dense_like(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """What the flat kernels, which walk raw memory, need of a tensor beside its parameter
+    (csrc/pnm_ops.cpp's dense_like): dense and laid out like it."""
+    return (t.is_contiguous() and p.is_contiguous()) or same_dense_layout(t, p)

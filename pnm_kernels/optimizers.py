@@ -14,6 +14,7 @@ from torch.optim import Optimizer
 
 from . import _backends
 from ._backends import ADAPNM_BUFFERS, PNM_BUFFERS, Batch
+from ._backends import is_dense as _is_dense, same_dense_layout as _same_dense_layout
 
 BACKENDS = ("auto", "fused", "triton", "foreach", "reference")
 
@@ -164,22 +165,6 @@ def _pick(params, grads, indices):
     if len(indices) == len(params):
         return params, grads
     return [params[i] for i in indices], [grads[i] for i in indices]
-
-
-def _is_dense(t: torch.Tensor) -> bool:
-    """Its elements fill one block of memory without gaps or overlap, in some dim order."""
-    expected = 1
-    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
-        if stride != expected:
-            return False
-        expected *= size
-    return True
-
-
-def _same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
-    if not _is_dense(a):
-        return False
-    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
 
 
 def _state_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
@@ -614,7 +599,7 @@ class _PositiveNegativeMomentum(Optimizer):
         if cached is not None:
             layout_ok = item.layout_ok
             if layout_ok is None:
-                layout_ok = all(g.is_contiguous() for g in grads)
+                layout_ok = all(map(_backends.dense_like, grads, cached.params))
             if layout_ok:
                 return Batch(cached.params, grads, cached.buffers, cached.steps,
                              cached.memo), []

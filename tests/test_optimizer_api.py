@@ -422,6 +422,20 @@ def test_dense_parameters_of_other_layouts_repeat_their_steps(path, name, monkey
                 assert buffer.stride() == p.stride(), key
 
 
+@pytest.mark.parametrize("path", ["triton"], indirect=True)
+@BOTH
+def test_dense_parameters_of_other_layouts_without_the_compiled_extension(path, name,
+                                                                          monkeypatch):
+    """The same on a Triton-only install, whose checks of gradients and held lists are in
+    Python: a gradient given contiguous to a channels_last parameter (step 5) is copied into
+    its layout, never walked as if laid out like it."""
+    monkeypatch.setattr(_backends, "extension_error", lambda: "not built, for the test")
+    monkeypatch.setattr(_backends, "first_mismatched_grad", None)
+    opt, params, _ = _dense_odd_layout_steps(name, path, True, monkeypatch)
+    ref, ref_params, _ = _dense_odd_layout_steps(name, "reference", True, monkeypatch)
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_step_hooks_run_around_every_step_and_their_edits_are_stepped(path, name):
