@@ -38,6 +38,9 @@ class _PlanItem:
     origin: Optional[tuple] = None  # (gi, grouping, the group's grads) when the kernel checks
 
 
+_HELD_BACKENDS = ("fused", "triton", "triton_eager")  # their lists are held in C++
+
+
 @dataclass
 class _HeldBatch:
     """One fused or Triton batch of a param group as the last step ran it, its lists held
@@ -45,7 +48,7 @@ class _HeldBatch:
     lists: object  # the batch's pnm_kernels._C StepLists
     device: torch.device
     dtype: torch.dtype
-    backend: str  # "fused" or "triton"
+    backend: str  # "fused", "triton" or "triton_eager" ("auto"'s Triton: see _repeat_step)
     memo: dict  # the batch's memo (a Triton batch's: its tables and ticket counter)
 
 
@@ -533,8 +536,18 @@ class _PositiveNegativeMomentum(Optimizer):
                 numel = sum(group["params"][pi].numel() for pi in idx)
                 backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel,
                                                     self._adaptive)
+            if (backend == "triton_eager" and len(indices) < len(group["params"])
+                    and self._lacking_grads_with_state(group)):
+                # The Triton step repeats only while every parameter with state has a
+                # gradient (its tables name each tensor); the fused one skips the others and
+                # repeats, where Triton would plan every step (mixture-of-experts layers).
+                backend = "fused"
             out.append((backend, idx, plain[0], (device, dtype)))
         return out
+
+    def _lacking_grads_with_state(self, group):
+        """Whether a parameter of the group that has state has no gradient."""
+        return any(p.grad is None and self.state.get(p) for p in group["params"])
 
     @staticmethod
     def _check_grads(batches, params, grads, gi):
@@ -787,8 +800,9 @@ class _PositiveNegativeMomentum(Optimizer):
         was run as fused or Triton batches held in C++ (one per device and dtype): what the
         next step needs to repeat it without planning (see _repeat_step). Where some of a
         group's parameters had no gradient, the lists held are those of all its parameters
-        with state (see _lists_with_state); not for Triton, whose tables name every tensor
-        they update."""
+        with state (see _lists_with_state); for Triton, whose tables name every tensor they
+        update, only where those all stepped (the others, never stepped, have no state: a
+        model passed whole, its frozen part included)."""
         items = list(zip(plan, batches))
         entries, k = [], 0
         for group in self.param_groups:
@@ -802,14 +816,15 @@ class _PositiveNegativeMomentum(Optimizer):
             kinds = {(item.params[0].device, item.params[0].dtype) for item, _ in mine}
             held = []
             for item, batch in mine:
-                if (item.backend not in ("fused", "triton") or batch.memo is None
+                if (item.backend not in _HELD_BACKENDS or batch.memo is None
                         or batch.memo.get("shards")):
                     return
                 lists, outside = batch.memo.get("step_lists"), ()
                 if not every_param_stepped:
-                    if item.backend == "triton":
-                        return
-                    lists, outside = self._lists_with_state(group, item, lists, kinds)
+                    if item.backend != "fused" and self._lacking_grads_with_state(group):
+                        return  # (saves _lists_with_state's loop, which would say so)
+                    lists, outside = self._lists_with_state(group, item, lists, kinds,
+                                                            item.backend == "fused")
                 if lists is None:
                     return
                 # The parameters without state are checked once, by the group's first batch.
@@ -821,7 +836,7 @@ class _PositiveNegativeMomentum(Optimizer):
         if k == len(items):
             self._repeat = (self._state_version(), entries)
 
-    def _lists_with_state(self, group, item, lists, kinds):
+    def _lists_with_state(self, group, item, lists, kinds, may_build=True):
         """For a group of which only some parameters stepped (the plan item's, one of the
         group's batches, whose (device, dtype) pairs are `kinds`): C++ lists of every
         parameter with state on the item's device and of its dtype, so that steps where
@@ -830,7 +845,8 @@ class _PositiveNegativeMomentum(Optimizer):
         must get none. (None, ()) where a parameter with state belongs to no batch of the
         step (another device or dtype) or cannot join the item's lists (another layout,
         state not made like the batch's). `lists`: the batch's own, used when they are all
-        of them."""
+        of them; without `may_build` (Triton, whose tables name every tensor they update)
+        the only lists returned."""
         names = self._buffers_needed(group)
         device, dtype = item.params[0].device, item.params[0].dtype
         held, states, outside = [], [], []
@@ -849,6 +865,8 @@ class _PositiveNegativeMomentum(Optimizer):
             states.append(state)
         if len(held) == len(item.params):  # every parameter with state stepped
             return lists, tuple(outside)
+        if not may_build:
+            return None, ()
         batch = Batch(held, [], [[state[name] for state in states] for name in names],
                       [state["step"] for state in states], memo={})
         return _backends.step_lists(batch), tuple(outside)
@@ -884,6 +902,9 @@ class _PositiveNegativeMomentum(Optimizer):
         for held in entries:
             hp = self._hyper(held.group)
             batches.extend((hp, batch) for batch in held.batches)
+        if (any(batch.backend == "triton_eager" for _, batch in batches)
+                and torch.cuda.is_current_stream_capturing()):
+            return False  # "auto" runs the fused step inside a capture (run_triton_eager)
         several = len(batches) > 1
         if several and not all(batch.lists.take_own_grads() for _, batch in batches):
             self._drop_taken_grads(batches)
@@ -892,7 +913,7 @@ class _PositiveNegativeMomentum(Optimizer):
         # steps: their kernels check nothing, so one that cannot step stops the whole step.
         launches = {}
         for i, (hp, batch) in enumerate(batches):
-            if batch.backend == "triton":
+            if batch.backend != "fused":  # Triton, as asked for or as "auto" chose it
                 try:
                     launches[i] = _backends.prepare_triton_own_grads(
                         self._adaptive, batch.lists, batch.memo, batch.device, batch.dtype,
@@ -911,7 +932,7 @@ class _PositiveNegativeMomentum(Optimizer):
                     *(None if t is None else t.to(batch.device, non_blocking=True)
                       for t in (grad_scale, found_inf)))
             try:
-                if batch.backend == "triton":
+                if batch.backend != "fused":
                     launches[i](*extra[2:])
                     continue
                 done = _backends.run_fused_own_grads(

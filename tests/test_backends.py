@@ -5,7 +5,7 @@ import pytest
 import torch
 
 from conftest import (DEVICE, FAST_PATHS, HAS_CUDA, OPTIMIZERS, assert_states_close,
-                      clone_params, make_params, train, with_reference)
+                      clone_params, grads_for_step, make_params, train, with_reference)
 from pnm_kernels import PNM
 from pnm_kernels._ops import extension_error
 
@@ -244,10 +244,56 @@ def test_auto_counts_the_elements_of_a_batch_and_knows_the_optimizer(name, monke
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_large_auto_step_is_fused_where_a_parameter_with_state_lacks_a_gradient(name,
+                                                                                 monkeypatch):
+    """Where "auto" prefers the Triton step (a large fp32 PNM batch on Hopper), a step in
+    which a parameter that has state lacks a gradient (a mixture of experts) runs the fused
+    one: its repeated step skips such parameters, where the Triton step, whose tables name
+    every tensor, would be planned afresh every time. Both match the reference."""
+    from pnm_kernels import _backends
+
+    if extension_error() is not None:
+        pytest.skip("pnm_kernels._C is not built")
+    if DEVICE != "cpu":
+        pytest.skip("on the CPU: the Triton interpreter stands in for the GPU")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    monkeypatch.setattr(_backends, "auto_prefers_triton",  # a batch of known size
+                        lambda device, dtype, numel, adaptive=False: numel is not None)
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
+    ran = []
+    for runner in ("run_fused", "run_fused_own_grads", "run_triton",
+                   "prepare_triton_own_grads"):
+        real = getattr(_backends, runner)
+        monkeypatch.setattr(_backends, runner, lambda *a, real=real, runner=runner: (
+            ran.append(runner), real(*a))[1])
+    fused = _backends.RUNNERS["fused"]  # what a planned fused batch runs
+    monkeypatch.setitem(_backends.RUNNERS, "fused", lambda *a: (ran.append("run_fused"),
+                                                                fused(*a))[1])
+    opt, params, ref, ref_params = with_reference(name, "auto", SHAPES["small"])
+    per_step = []
+    for t in range(12):
+        for ps in (params, ref_params):
+            for i, (p, g) in enumerate(zip(ps, grads_for_step(ps, t))):
+                p.grad = None if t >= 3 and i == t % len(ps) else g
+        ran.clear()
+        opt.step()
+        ref.step()
+        per_step.append(tuple(ran))
+    assert per_step[0] == ("run_triton",)
+    assert per_step[1:3] == [("prepare_triton_own_grads",)] * 2  # repeated Triton steps
+    assert per_step[3] == ("prepare_triton_own_grads", "run_fused")  # declined; planned
+    assert per_step[4:] == [("run_fused_own_grads",)] * 8  # repeated fused steps
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_large_auto_step_switches_to_fused_inside_a_capture(name, monkeypatch):
     """The large-batch "auto" step runs Triton, and the fused kernels while a CUDA graph is
-    being captured; steps of either kind share one state and match the reference. (On the
-    CPU: the Triton interpreter and the CPU kernel stand in for the GPU kernels.)"""
+    being captured; steps of either kind share one state and match the reference. Eager
+    steps repeat the last one (see _repeat_step) as the Triton backend's do; a step inside
+    a capture is planned. (On the CPU: the Triton interpreter and the CPU kernel stand in
+    for the GPU kernels.)"""
     from pnm_kernels import _backends
 
     if extension_error() is not None:
@@ -260,17 +306,20 @@ def test_large_auto_step_switches_to_fused_inside_a_capture(name, monkeypatch):
     monkeypatch.setattr(_backends, "resolve_backend", lambda requested, *a: (
         "triton_eager" if requested == "auto" else resolve(requested, *a)))
     ran = []
-    for runner in ("run_fused", "run_triton"):
+    for runner in ("run_fused", "run_triton", "prepare_triton_own_grads"):
         real = getattr(_backends, runner)
         monkeypatch.setattr(_backends, runner, lambda *a, real=real, runner=runner: (
-            ran.append(runner), real(*a)))
-    capturing = iter([False, True, True, False, False, True] * 3)
-    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: next(capturing))
+            ran.append(runner), real(*a))[1])
+    capturing = [False]
+    monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     opt, params, ref, ref_params = with_reference(name, "auto", SHAPES["small"])
-    train(opt, params, 18)
+    for t in range(18):
+        capturing[0] = t % 6 in (1, 2, 5)
+        train(opt, params, 1, start=t)
     train(ref, ref_params, 18)
-    assert ran == ["run_triton", "run_fused", "run_fused", "run_triton", "run_triton",
-                   "run_fused"] * 3
+    repeat = "prepare_triton_own_grads"
+    assert ran == (["run_triton", "run_fused", "run_fused", repeat, repeat, "run_fused"]
+                   + [repeat, "run_fused", "run_fused", repeat, repeat, "run_fused"] * 2)
     assert_states_close(opt, params, ref, ref_params)
 
 

@@ -436,6 +436,25 @@ def test_dense_parameters_of_other_layouts_without_the_compiled_extension(path, 
     assert_states_close(opt, params, ref, ref_params)
 
 
+@pytest.mark.parametrize("path", ["fused", "emulated", "triton"], indirect=True)
+@BOTH
+def test_parameters_that_never_step_keep_the_repeated_step(path, name, monkeypatch):
+    """A model passed whole, its frozen part included: parameters that never get a gradient
+    have no state, and the steps of the others repeat (Triton's too: its tables name only
+    the parameters with state). One that then gets a gradient is given state by a planned
+    step, after which the steps repeat again; all as the reference steps."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,), (4,)])
+    plans = _planned_steps(opt, monkeypatch)
+    for o, ps in ((opt, params), (ref, ref_params)):
+        for t in range(8):
+            for i, (p, g) in enumerate(zip(ps, grads_for_step(ps, t))):
+                p.grad = g if i != 1 or t >= 5 else None  # ps[1] frozen until step 5
+            o.step()
+    assert not opt.state.get(params[1]) or opt.state[params[1]]["step"].item() == 3
+    assert len(plans) == 2  # steps 0 and 5
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_step_hooks_run_around_every_step_and_their_edits_are_stepped(path, name):
