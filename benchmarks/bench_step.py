@@ -109,6 +109,10 @@ def contenders(device):
                     lambda ps, b=backend: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b)))
         out.append((f"AdaPNM[{backend}]", "AdaPNM",
                     lambda ps, b=backend: AdaPNM(ps, lr=1e-3, amsgrad=True, backend=b)))
+    if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
+        # What "auto" gives where it is more than the fused step: on Hopper, a large fp32
+        # PNM batch runs the Triton step (pnm_kernels._backends.auto_prefers_triton).
+        out.append(("PNM[auto]", "PNM", lambda ps: PNM(ps, lr=1e-3, betas=(0.9, 1.0))))
     # What a user might try instead of a fused kernel: the per-parameter reference with its
     # step wrapped in torch.compile, and the maths written in foreach ops for torch.compile.
     out.append(("PNM[reference+torch.compile]", "PNM", lambda ps: _compiled(
