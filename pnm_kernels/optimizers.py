@@ -822,7 +822,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 lists, outside = batch.memo.get("step_lists"), ()
                 if not every_param_stepped:
                     if item.backend != "fused" and self._lacking_grads_with_state(group):
-                        return  # (saves _lists_with_state's loop, which would say so)
+                        return  # Triton cannot skip them (_lists_with_state would refuse)
                     lists, outside = self._lists_with_state(group, item, lists, kinds,
                                                             item.backend == "fused")
                 if lists is None:
