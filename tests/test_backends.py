@@ -243,6 +243,26 @@ def test_auto_counts_the_elements_of_a_batch_and_knows_the_optimizer(name, monke
     assert asked[-1] == (22, name == "AdaPNM")
 
 
+def _large_auto_on_the_cpu(monkeypatch, runners):
+    """For the tests of "auto"'s large-batch Triton step without a GPU (the Triton
+    interpreter and the CPU kernel stand in for the GPU kernels): skips where that cannot
+    run, and records in the list returned each call of the `_backends` functions named."""
+    from pnm_kernels import _backends
+
+    if extension_error() is not None:
+        pytest.skip("pnm_kernels._C is not built")
+    if DEVICE != "cpu":
+        pytest.skip("the GPU case is tests/test_cuda.py's graph-capture test")
+    pytest.importorskip("triton")
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ran = []
+    for runner in runners:
+        real = getattr(_backends, runner)
+        monkeypatch.setattr(_backends, runner, lambda *a, real=real, runner=runner: (
+            ran.append(runner), real(*a))[1])
+    return ran
+
+
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_large_auto_step_is_fused_where_a_parameter_with_state_lacks_a_gradient(name,
                                                                                  monkeypatch):
@@ -252,21 +272,11 @@ def test_large_auto_step_is_fused_where_a_parameter_with_state_lacks_a_gradient(
     every tensor, would be planned afresh every time. Both match the reference."""
     from pnm_kernels import _backends
 
-    if extension_error() is not None:
-        pytest.skip("pnm_kernels._C is not built")
-    if DEVICE != "cpu":
-        pytest.skip("on the CPU: the Triton interpreter stands in for the GPU")
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ran = _large_auto_on_the_cpu(monkeypatch, ("run_fused_own_grads", "run_triton",
+                                               "prepare_triton_own_grads"))
     monkeypatch.setattr(_backends, "auto_prefers_triton",  # a batch of known size
                         lambda device, dtype, numel, adaptive=False: numel is not None)
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: False)
-    ran = []
-    for runner in ("run_fused", "run_fused_own_grads", "run_triton",
-                   "prepare_triton_own_grads"):
-        real = getattr(_backends, runner)
-        monkeypatch.setattr(_backends, runner, lambda *a, real=real, runner=runner: (
-            ran.append(runner), real(*a))[1])
     fused = _backends.RUNNERS["fused"]  # what a planned fused batch runs
     monkeypatch.setitem(_backends.RUNNERS, "fused", lambda *a: (ran.append("run_fused"),
                                                                 fused(*a))[1])
@@ -292,24 +302,14 @@ def test_large_auto_step_switches_to_fused_inside_a_capture(name, monkeypatch):
     """The large-batch "auto" step runs Triton, and the fused kernels while a CUDA graph is
     being captured; steps of either kind share one state and match the reference. Eager
     steps repeat the last one (see _repeat_step) as the Triton backend's do; a step inside
-    a capture is planned. (On the CPU: the Triton interpreter and the CPU kernel stand in
-    for the GPU kernels.)"""
+    a capture is planned."""
     from pnm_kernels import _backends
 
-    if extension_error() is not None:
-        pytest.skip("pnm_kernels._C is not built")
-    if DEVICE != "cpu":
-        pytest.skip("the GPU case is tests/test_cuda.py's graph-capture test")
-    pytest.importorskip("triton")
-    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    ran = _large_auto_on_the_cpu(monkeypatch, ("run_fused", "run_triton",
+                                               "prepare_triton_own_grads"))
     resolve = _backends.resolve_backend
     monkeypatch.setattr(_backends, "resolve_backend", lambda requested, *a: (
         "triton_eager" if requested == "auto" else resolve(requested, *a)))
-    ran = []
-    for runner in ("run_fused", "run_triton", "prepare_triton_own_grads"):
-        real = getattr(_backends, runner)
-        monkeypatch.setattr(_backends, runner, lambda *a, real=real, runner=runner: (
-            ran.append(runner), real(*a))[1])
     capturing = [False]
     monkeypatch.setattr(torch.cuda, "is_current_stream_capturing", lambda: capturing[0])
     opt, params, ref, ref_params = with_reference(name, "auto", SHAPES["small"])
