@@ -252,7 +252,7 @@ def _large_auto_on_the_cpu(monkeypatch, runners):
     if extension_error() is not None:
         pytest.skip("pnm_kernels._C is not built")
     if DEVICE != "cpu":
-        pytest.skip("the GPU case is tests/test_cuda.py's graph-capture test")
+        pytest.skip("a CPU stand-in (on a GPU, tests/test_cuda.py runs the large \"auto\" step)")
     pytest.importorskip("triton")
     monkeypatch.setenv("TRITON_INTERPRET", "1")
     ran = []
