@@ -248,8 +248,10 @@ FLAT_BACKENDS = ("fused", "triton", "triton_eager")
 # transformer set (24M elements in 76 tensors; host-bound there in that run, torch's steps
 # too). On one tensor of 2^20 elements it took twice the time (its launch costs more host
 # time: 0.09 ms against 0.04). On 2,000 small tensors it took 13-26 % less (host work), but
-# only while every parameter has a gradient: a step where some lack one is planned afresh,
-# where the fused step still repeats (not measured on a GPU), so those batches stay fused.
+# a Triton step repeats only while every parameter with state has a gradient, where the fused
+# step repeats regardless (not measured on a GPU), so those batches stay fused; and so does a
+# large batch in a step where a parameter with state lacks a gradient (the optimizer's
+# _group_batches).
 AUTO_TRITON_MIN_NUMEL = 1 << 24
 
 

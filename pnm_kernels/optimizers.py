@@ -215,9 +215,9 @@ def _kernel_views(p, grad, bufs):
 def _dense_copies(param, grad, buffer, flat):
     """Whether a flat backend (its kernels walk raw memory) needs the parameter and the
     gradient (as _kernel_views gives them) copied into the buffers' dense layout."""
-    if not flat or (param.is_contiguous() and grad.is_contiguous() and buffer.is_contiguous()):
+    if not flat:
         return False, False
-    return not _same_dense_layout(param, buffer), not _same_dense_layout(grad, buffer)
+    return not _backends.dense_like(param, buffer), not _backends.dense_like(grad, buffer)
 
 
 def _kernel_tensors(p, grad, bufs, flat, copies=None):
@@ -823,8 +823,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 if not every_param_stepped:
                     if item.backend != "fused" and self._lacking_grads_with_state(group):
                         return  # Triton cannot skip them (_lists_with_state would refuse)
-                    lists, outside = self._lists_with_state(group, item, lists, kinds,
-                                                            item.backend == "fused")
+                    lists, outside = self._lists_with_state(group, item, lists, kinds)
                 if lists is None:
                     return
                 # The parameters without state are checked once, by the group's first batch.
@@ -836,7 +835,7 @@ class _PositiveNegativeMomentum(Optimizer):
         if k == len(items):
             self._repeat = (self._state_version(), entries)
 
-    def _lists_with_state(self, group, item, lists, kinds, may_build=True):
+    def _lists_with_state(self, group, item, lists, kinds):
         """For a group of which only some parameters stepped (the plan item's, one of the
         group's batches, whose (device, dtype) pairs are `kinds`): C++ lists of every
         parameter with state on the item's device and of its dtype, so that steps where
@@ -845,8 +844,7 @@ class _PositiveNegativeMomentum(Optimizer):
         must get none. (None, ()) where a parameter with state belongs to no batch of the
         step (another device or dtype) or cannot join the item's lists (another layout,
         state not made like the batch's). `lists`: the batch's own, used when they are all
-        of them; without `may_build` (Triton, whose tables name every tensor they update)
-        the only lists returned."""
+        of them (always so for Triton: _remember_step holds no Triton batch otherwise)."""
         names = self._buffers_needed(group)
         device, dtype = item.params[0].device, item.params[0].dtype
         held, states, outside = [], [], []
@@ -865,8 +863,6 @@ class _PositiveNegativeMomentum(Optimizer):
             states.append(state)
         if len(held) == len(item.params):  # every parameter with state stepped
             return lists, tuple(outside)
-        if not may_build:
-            return None, ()
         batch = Batch(held, [], [[state[name] for state in states] for name in names],
                       [state["step"] for state in states], memo={})
         return _backends.step_lists(batch), tuple(outside)
