@@ -27,6 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pnm_kernels  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
+from pnm_kernels._ops import CUDA_CHUNK_SIZE  # noqa: E402
 from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 
 # Bytes per element per step (fp32; scaled by the element size for other dtypes).
@@ -371,7 +372,7 @@ def write_table(results, copy_gbps, info):
             for k, c in info["triton_configs"].items())]
     if info.get("fused_chunk"):
         lines[1:1] = ["", f"Fused CUDA step: {info['fused_chunk']} elements a block "
-                          "(--fused-chunk; shipped: 65536)"]
+                          f"(--fused-chunk; shipped: {CUDA_CHUNK_SIZE})"]
     fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
     for r in results:
         if "error" in r:
@@ -448,7 +449,7 @@ def main(argv=None):
                              "benchmarks/tune_triton.py run instead of the built-in table")
     parser.add_argument("--fused-chunk", type=int, metavar="ELEMENTS",
                         help="elements each block of the fused CUDA step updates (a multiple "
-                             "of 8; shipped 65536): to time other launch shapes")
+                             f"of 8; shipped {CUDA_CHUNK_SIZE}): to time other launch shapes")
     args = parser.parse_args(argv)
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda" and not torch.cuda.is_available():

@@ -19,7 +19,11 @@
 namespace pnm {
 
 constexpr int kBlockSize = 512;
-constexpr int64_t kDefaultChunkSize = 65536;
+// 16,384 rather than torch's 65,536: on an H200 (benchmarks/results/gpu-h200-2026-11-26-run9)
+// a transformer-shaped step took 0.145 ms against 0.161-0.162 in four runs (65,536 leaves the
+// last wave of blocks part-empty), and 1.4-1.8 % less on 124M-256M-element steps. Must equal
+// pnm_kernels._ops.CUDA_CHUNK_SIZE.
+constexpr int64_t kDefaultChunkSize = 16384;
 constexpr int kVecBytes = 16;  // one 128-bit load or store per list and thread
 
 // Lists, in this order in every table: 0 param, 1 grad, 2 positive buffer (pos_momentum /

@@ -246,13 +246,18 @@ FLAT_BACKENDS = ("fused", "triton", "triton_eager")
 # transformer, gpt2-124m, llama-1b, flat16M-flat1024M), the Triton AdaPNM step up to 3 % more;
 # in bf16 the Triton step was within 3 % on the flat sets and took 45-70 % more on the
 # transformer set (24M elements in 76 tensors; host-bound there in that run, torch's steps
-# too). On one tensor of 2^20 elements it took twice the time (its launch costs more host
-# time: 0.09 ms against 0.04). On 2,000 small tensors it took 13-26 % less (host work), but
-# a Triton step repeats only while every parameter with state has a gradient, where the fused
-# step repeats regardless (not measured on a GPU), so those batches stay fused; and so does a
-# large batch in a step where a parameter with state lacks a gradient (the optimizer's
-# _group_batches).
-AUTO_TRITON_MIN_NUMEL = 1 << 24
+# too). Run 9 moved the threshold from 2^24 to 2^26: below 2^26 the Triton step's GPU time is
+# close to its host time (0.10-0.18 ms a launch against the fused step's 0.05-0.09), and when
+# the host was slow it lost badly (three samples: resnet50 0.16-0.23 ms against fused
+# 0.17-0.18, flat16M 0.11-0.19 against 0.11), and the fused step's 16,384-element chunks
+# (adopted in run 9) closed most of the gap where Triton did win (transformer: 0.145 ms against
+# Triton's 0.145-0.152, fused 0.161-0.162 before); from 2^26 up the Triton PNM step took 2-4 %
+# less in every sample. On one tensor of 2^20 elements it took twice the
+# time. On 2,000 small tensors it took 13-26 % less (host work), but a Triton step repeats only
+# while every parameter with state has a gradient, where the fused step repeats regardless, so
+# those batches stay fused; and so does a large batch in a step where a parameter with state
+# lacks a gradient (the optimizer's _group_batches).
+AUTO_TRITON_MIN_NUMEL = 1 << 26
 
 
 def auto_prefers_triton(device: torch.device, dtype: torch.dtype, numel: Optional[int],

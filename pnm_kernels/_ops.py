@@ -27,6 +27,11 @@ if _EXTENSION_ERROR is None:
         torch.library.register_fake(f"pnm_kernels::{_name}")(_fake_step)
 
 
+# Elements each block of the fused CUDA step updates (csrc/multi_tensor_apply.h's
+# kDefaultChunkSize; a test checks the two agree).
+CUDA_CHUNK_SIZE = 16384
+
+
 def set_launch_limits(chunk_size: int = 0, max_tensors: int = 0, max_blocks: int = 0,
                       max_single_launch_blocks: int = 0) -> None:
     """Test hook for the CUDA launch planner (and its CPU emulation): smaller chunks and

@@ -191,15 +191,22 @@ _CONFIGS = {
     9: LaunchConfig(block=8192, iters=2, num_warps=16),
     8: LaunchConfig(block=1024, iters=16, num_warps=4),  # Ampere / Ada
 }
-# 2-byte storage (bf16, fp16) on Hopper, per optimizer (adaptive: AdaPNM): 32 warps. On an
-# H200, bench_step.py run side by side with the fp32 configuration above (results/
-# gpu-h200-2026-11-26-run6, each twice or more, bf16 at 2^26 / 2^28 / 2^30 elements): PNM
-# 16384 x 2 reached 95 / 100 / 101 % of copy bandwidth against 85-90 / 92 / 93 %, AdaPNM 8192 x
-# 2 reached 91 / 94 / 94 % against 83 / 86 / 87 %. fp16 was not measured; its loads and stores
-# are those of bf16. Run 2 had chosen 16 warps for every dtype, against an older kernel.
-_HALF_CONFIGS = {
-    (9, False): LaunchConfig(block=16384, iters=2, num_warps=32),
-    (9, True): LaunchConfig(block=8192, iters=2, num_warps=32),
+# Per (generation, storage bytes, adaptive), ahead of the table above.
+# 2-byte storage (bf16, fp16) on Hopper, 32 warps. On an H200, bench_step.py run side by side
+# with the fp32 configuration above (results/gpu-h200-2026-11-26-run6, each twice or more,
+# bf16 at 2^26 / 2^28 / 2^30 elements): PNM 16384 x 2 reached 95 / 100 / 101 % of copy
+# bandwidth against 85-90 / 92 / 93 %, AdaPNM 8192 x 2 reached 91 / 94 / 94 % against 83 / 86 /
+# 87 %. fp16 was not measured; its loads and stores are those of bf16. Run 2 had chosen 16
+# warps for every dtype, against an older kernel.
+# fp32 AdaPNM on Hopper: 4096 x 4 with 16 warps, tune_triton.py's pick in run 7 (98 % of copy
+# bandwidth at 2^26 and 2^28 against 94-95 % for 8192 x 2); bench_step.py in run 9 then gave
+# 1.200 / 0.648 / 2.562 ms on gpt2-124m / flat64M / flat256M against 1.264 / 0.675-0.678 /
+# 2.671-2.676 for 8192 x 2 in three runs (those sets vary by < 1 % from run to run). For PNM
+# run 7 picked 8192 x 2 with 32 warps, which run 9 measured within 0.7 % of the 16 warps above.
+_PER_OPTIMIZER_CONFIGS = {
+    (9, 2, False): LaunchConfig(block=16384, iters=2, num_warps=32),
+    (9, 2, True): LaunchConfig(block=8192, iters=2, num_warps=32),
+    (9, 4, True): LaunchConfig(block=4096, iters=4, num_warps=16),
 }
 _DEFAULT_CONFIG = LaunchConfig(block=1024, iters=16, num_warps=4)
 _override = None
@@ -220,9 +227,8 @@ def launch_config(device: torch.device, dtype: torch.dtype, adaptive: bool) -> L
     if device.type != "cuda":
         return _CONFIGS["interpreter"]
     generation = torch.cuda.get_device_capability(device)[0]
-    if dtype.itemsize == 2 and (generation, adaptive) in _HALF_CONFIGS:
-        return _HALF_CONFIGS[(generation, adaptive)]
-    return _CONFIGS.get(generation, _DEFAULT_CONFIG)
+    config = _PER_OPTIMIZER_CONFIGS.get((generation, dtype.itemsize, adaptive))
+    return config or _CONFIGS.get(generation, _DEFAULT_CONFIG)
 
 
 _TL_DTYPES = {torch.float32: tl.float32, torch.float16: tl.float16, torch.bfloat16: tl.bfloat16}

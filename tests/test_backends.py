@@ -153,15 +153,18 @@ def test_auto_prefers_triton_only_for_large_float32_pnm_batches_on_hopper(monkey
 
 def test_triton_launch_configuration_by_generation_and_its_override(monkeypatch):
     """One configuration per GPU generation, and on Hopper one per optimizer for 2-byte
-    storage; set_launch_config overrides every launch, or only those of the (dtype, adaptive)
+    storage and one for float32 AdaPNM; set_launch_config overrides every launch, or only those of the (dtype, adaptive)
     pairs it names (how bench_step.py runs tuned ones)."""
     tk = pytest.importorskip("pnm_kernels.triton_kernels")
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert tk.launch_config(cuda, torch.float32, True) == tk._CONFIGS[9]
+    assert tk.launch_config(cuda, torch.float32, False) == tk._CONFIGS[9]
+    assert tk.launch_config(cuda, torch.float32, True) == tk._PER_OPTIMIZER_CONFIGS[(9, 4, True)]
+    assert tk._PER_OPTIMIZER_CONFIGS[(9, 4, True)] != tk._CONFIGS[9]
     for dtype in (torch.bfloat16, torch.float16):
         for adaptive in (False, True):
-            assert tk.launch_config(cuda, dtype, adaptive) == tk._HALF_CONFIGS[(9, adaptive)]
+            expected = tk._PER_OPTIMIZER_CONFIGS[(9, 2, adaptive)]
+            assert tk.launch_config(cuda, dtype, adaptive) == expected
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
     assert tk.launch_config(cuda, torch.bfloat16, True) == tk._CONFIGS[8]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
@@ -187,7 +190,7 @@ def _shipped_launch_configs():
     except ImportError:
         return []
     configs = [c for k, c in tk._CONFIGS.items() if k != "interpreter"]
-    configs = sorted(set(configs + list(tk._HALF_CONFIGS.values())), key=repr)
+    configs = sorted(set(configs + list(tk._PER_OPTIMIZER_CONFIGS.values())), key=repr)
     if HAS_CUDA:
         return configs
     # The interpreter ignores num_warps: one configuration per chunk layout is enough there.

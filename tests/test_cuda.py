@@ -4,6 +4,7 @@ import pytest
 import torch
 
 from conftest import OPTIMIZERS, assert_states_close, clone_params, make_params, requires_cuda, train
+from pnm_kernels._ops import CUDA_CHUNK_SIZE
 
 pytestmark = requires_cuda
 
@@ -120,7 +121,7 @@ def test_a_step_of_at_most_one_block_per_sm_is_a_single_launch(name):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for blocks, expected in ((sms, ["single"]), (sms + 1, ["step", "increment"]),
                              (2000, ["step", "increment"])):
-        params = make_params([((blocks - 1) * 65536,), (3,)], device="cuda")  # one block each
+        params = make_params([((blocks - 1) * CUDA_CHUNK_SIZE,), (3,)], device="cuda")  # a block each
         ref_params = clone_params(params)
         opt = OPTIMIZERS[name](params, lr=1e-3, backend="fused")
         ref = OPTIMIZERS[name](ref_params, lr=1e-3, backend="reference")

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from conftest import make_params, requires_extension
-from pnm_kernels._ops import cpu_isa, cpu_isas, default_cpu_isa, set_cpu_isa, set_launch_limits
+from pnm_kernels._ops import (CUDA_CHUNK_SIZE, cpu_isa, cpu_isas, default_cpu_isa, set_cpu_isa,
+                              set_launch_limits)
 
 pytestmark = requires_extension
 
@@ -230,7 +231,7 @@ def test_launch_plan_covers_every_chunk_once_in_order(limits):
     set_launch_limits(*limits)
     try:
         plan = _plan(numels)
-        chunk = limits[0] or 65536
+        chunk = limits[0] or CUDA_CHUNK_SIZE
     finally:
         set_launch_limits()
     expected = [(i, c) for i, n in enumerate(numels) for c in range((n + chunk - 1) // chunk)]
@@ -244,22 +245,27 @@ def test_launch_plan_covers_every_chunk_once_in_order(limits):
         assert len({t for _, t, _ in blocks}) <= (limits[1] or 535)
 
 
+def test_the_python_chunk_size_is_the_kernels():
+    assert _plan([CUDA_CHUNK_SIZE]) == [(0, 0, 0)]
+    assert _plan([CUDA_CHUNK_SIZE + 1]) == [(0, 0, 0), (0, 0, 1)]
+
+
 def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
-    """Chunk offsets are 64-bit: a 2^31 + 5 element tensor gets 32,769 chunks of 65,536, its
+    """Chunk offsets are 64-bit: a 2^31 + 5 element tensor gets 2^31 / 16,384 + 1 chunks, its
     last one holding the 5 elements past 2^31, in the same launch as its neighbours."""
     plan = _plan([3, 2**31 + 5, 9])
     big = [c for table, t, c in plan if t == 1]
-    assert big == list(range(32769))
-    assert big[-1] * 65536 == 2**31
+    assert big == list(range(2**31 // CUDA_CHUNK_SIZE + 1))
+    assert big[-1] * CUDA_CHUNK_SIZE == 2**31
     assert {table for table, _, _ in plan} == {0}
     assert plan[-1][1:] == (2, 0)
 
 
 def test_a_large_model_is_one_launch_and_many_tensors_are_few():
     """Launches are cut by tensor slots only (535 a table for PNM), never by chunk count: a
-    Llama-1B-sized step of 146 tensors, 18,857 chunks, is one launch; 2,000 tensors are four."""
+    Llama-1B-sized step of 146 tensors, 74,753 chunks, is one launch; 2,000 tensors are four."""
     llama = _plan([2**23] * 146 + [2**13 * 5])
-    assert len(llama) == 146 * 128 + 1 and {table for table, _, _ in llama} == {0}
+    assert len(llama) == 146 * 512 + 3 and {table for table, _, _ in llama} == {0}
     many = _plan([16] * 2000)
     assert [table for table, _, _ in many] == sorted(i // 535 for i in range(2000))
 
