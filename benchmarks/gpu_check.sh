@@ -58,17 +58,13 @@ tail -4 "$WORK/tests.log"
 SETS_F32=tiny2000,small2000,resnet50,transformer,gpt2-124m,llama-1b,flat1M,flat16M,flat64M,flat256M,flat1024M
 stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SETS_F32" --rounds 9 \
   --no-compiled --out "$WORK"
-# The fp32 table measures the shipped launch shapes; these are candidates, timed against
-# torch's fused steps as there, to compare before adopting any. Triton, fp32: what run 7's
-# tuning chose (AdaPNM 4096 x 4, 16 warps: 98 % of copy bandwidth against the shipped 8192 x
-# 2's 94-95 % in that tuning run; PNM 8192 x 2, 32 warps). Fused: 16,384 elements a block
-# instead of 65,536, for sets of mid-size tensors, where 65,536 leaves the last wave of blocks
-# part-empty (run 7: fused 82-84 % of copy bandwidth on resnet50 and the transformer, Triton,
-# with 16,384 a program, 90-91 %; 95-97 % on flat sets).
+# The fp32 table measures the shipped launch shapes; this is a candidate, timed against
+# torch's fused steps as there, to compare before adopting it: the fused CUDA step with 8,192
+# elements a block, bracketing the 16,384 adopted after run 9 (65,536 before: 1.4-10 % slower).
 mkdir -p "$WORK/candidates"
 stage bench_candidates 90 python3 benchmarks/bench_step.py --device cuda --no-compiled --rounds 9 \
   --sets resnet50,transformer,gpt2-124m,flat16M,flat64M,flat256M --out "$WORK/candidates" \
-  --triton-configs benchmarks/results/gpu-h200-2026-11-26-run7/tune_triton.json --fused-chunk 16384
+  --fused-chunk 8192
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
   --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled \
   --out "$WORK"
