@@ -55,6 +55,9 @@ def run_reference(adaptive, batch, hp, grad_scale, found_inf):
 
 def run_foreach(adaptive, batch, hp, grad_scale, found_inf):
     """torch._foreach_* ops over the batch; parity and bias corrections are read on the host."""
+    if torch.compiler.is_compiling() and found_inf is None:
+        _run_traced(adaptive, batch, hp, grad_scale)
+        return
     if _skip_step(found_inf):
         return
     lr, beta1, beta0, wd = float(hp["lr"]), hp["beta1"], hp["beta0"], hp["weight_decay"]
@@ -95,6 +98,50 @@ def run_foreach(adaptive, batch, hp, grad_scale, found_inf):
     torch._foreach_div_(denom, [math.sqrt(1 - beta2**t) for t in steps])
     torch._foreach_add_(denom, hp["eps"])
     torch._foreach_addcdiv_(params, pn_momentum, denom, [-lr / (1 - beta1**t) for t in steps])
+
+
+def _run_traced(adaptive, batch, hp, grad_scale):
+    """The foreach backend's maths as torch.compile traces it, without a graph break: each
+    tensor's parity and bias corrections come from its step counter on the device (a
+    torch.where between the buffers), not from the host. It serves what runs neither fused
+    nor Triton under torch.compile: float64 parameters ("auto"), backend="foreach", and
+    Triton batches of an install without the extension. Both buffers are rewritten (one with
+    its own values), which inductor fuses into the step's one pass. With found_inf (AMP) the
+    eager path runs instead, reading it on the host."""
+    lr, beta1, beta0, wd = hp["lr"], hp["beta1"], hp["beta0"], hp["weight_decay"]
+    torch._foreach_add_(batch.steps, 1.0)
+    for i, (param, grad, step) in enumerate(zip(batch.params, batch.grads, batch.steps)):
+        if grad_scale is not None:
+            grad = grad / grad_scale
+        if hp["maximize"]:
+            grad = -grad
+        if hp["decoupled"]:
+            param.mul_(1 - lr * wd)
+        else:
+            grad = grad.add(param, alpha=wd)
+        pos, neg = batch.buffers[0][i], batch.buffers[1][i]
+        odd = torch.remainder(step, 2) == 1
+        m_other = torch.where(odd, neg, pos)
+        m = torch.where(odd, pos, neg).mul(beta1**2).add_(grad, alpha=1 - beta1**2)
+        pos.copy_(torch.where(odd, m, pos))
+        neg.copy_(torch.where(odd, neg, m))
+        update = m.mul(1 + beta0).add_(m_other, alpha=-beta0).mul_(1 / reference.noise_norm(beta0))
+        if not adaptive:
+            param.sub_(update * lr)
+            continue
+        beta2, exp_avg_sq = hp["beta2"], batch.buffers[2][i]
+        exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1 - beta2)
+        second_moment = exp_avg_sq
+        if hp["amsgrad"]:
+            second_moment = batch.buffers[3][i]
+            torch.maximum(second_moment, exp_avg_sq, out=second_moment)
+        # In float64, as the reference's Python floats; applied in at least float32.
+        t = step.to(torch.float64)
+        scalar_dtype = torch.promote_types(param.dtype, torch.float32)
+        bias_correction2_sqrt = (1 - beta2**t).sqrt().to(scalar_dtype)
+        step_size = (lr / (1 - beta1**t)).to(scalar_dtype)
+        denom = (second_moment.sqrt() / bias_correction2_sqrt).add_(hp["eps"])
+        param.sub_(update / denom * step_size)
 
 
 def split_lr(lr, device):

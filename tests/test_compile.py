@@ -19,12 +19,13 @@ def _models(n=2):
     return models
 
 
-@pytest.mark.parametrize("backend", ["fused", pytest.param("triton", marks=pytest.mark.skipif(
+@pytest.mark.parametrize("backend", ["fused", "foreach", pytest.param("triton", marks=pytest.mark.skipif(
     not HAS_TRITON, reason="triton is not installed"))])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_compiled_step_has_no_graph_break(name, backend):
     """Also with backend="triton", which runs the fused kernels when traced (on a GPU,
-    deciding that inside the traced step once broke the graph)."""
+    deciding that inside the traced step once broke the graph), and with backend="foreach",
+    whose traced step reads parity and bias corrections on the device, not the host."""
     model = _models(1)[0]
     opt = OPTIMIZERS[name](model.parameters(), lr=torch.tensor(1e-2), backend=backend)
     model(torch.randn(8, 16, device=DEVICE)).sum().backward()
@@ -193,6 +194,56 @@ def test_the_step_compiles_into_one_graph_with_fullgraph(name):
         opt.param_groups[0]["lr"].mul_(0.5)
     assert counter.frame_count == 1
     assert [opt.state[p]["step"].item() for p in params] == [4, 4]
+
+
+@pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "L2"])
+@pytest.mark.parametrize("backend", ["auto", "foreach"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_float64_parameters_compile_into_one_graph_and_step_as_the_reference(name, backend,
+                                                                            decoupled):
+    """float64 parameters run no kernel ("auto" gives them foreach ops); traced, those take
+    each tensor's parity and bias corrections from its step counter on the device, so
+    torch.compile(fullgraph=True) takes the step (a host read of the counters refused it),
+    compiles it once for every step, and it agrees with the reference over both parities,
+    state included. (A Triton-only install's batches trace the same way.)"""
+    torch._dynamo.reset()
+    extra = dict(amsgrad=True) if name == "AdaPNM" else {}
+    params = [torch.randn(s, dtype=torch.float64, device=DEVICE, requires_grad=True)
+              for s in (7, (3, 5), ())]
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    kwargs = dict(lr=1e-2, weight_decay=0.1, decoupled=decoupled, **extra)
+    opt = OPTIMIZERS[name](params, backend=backend, **kwargs)
+    ref = OPTIMIZERS[name](ref_params, backend="reference", **kwargs)
+    counter = CompileCounter()
+    step = torch.compile(opt.step, backend=counter, fullgraph=True)
+    for t in range(7):
+        gen = torch.Generator().manual_seed(t)
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(DEVICE)
+            q.grad = p.grad.clone()
+        step()
+        ref.step()
+    assert counter.frame_count == 1
+    assert_states_close(opt, params, ref, ref_params)
+
+
+def test_float64_adapnm_compiled_by_inductor_steps_as_the_reference():
+    """The same through inductor's generated code (the test above traces only)."""
+    torch._dynamo.reset()
+    params = [torch.randn(s, dtype=torch.float64, device=DEVICE, requires_grad=True)
+              for s in (33, (4, 3))]
+    ref_params = [p.detach().clone().requires_grad_() for p in params]
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, weight_decay=0.1)
+    ref = OPTIMIZERS["AdaPNM"](ref_params, lr=1e-2, weight_decay=0.1, backend="reference")
+    step = torch.compile(opt.step, fullgraph=True)
+    for t in range(3):
+        gen = torch.Generator().manual_seed(t)
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(DEVICE)
+            q.grad = p.grad.clone()
+        step()
+        ref.step()
+    assert_states_close(opt, params, ref, ref_params)
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
