@@ -125,7 +125,8 @@ def _run_traced(adaptive, batch, hp, grad_scale):
         m = torch.where(odd, pos, neg).mul(beta1**2).add_(grad, alpha=1 - beta1**2)
         pos.copy_(torch.where(odd, m, pos))
         neg.copy_(torch.where(odd, neg, m))
-        update = m.mul(1 + beta0).add_(m_other, alpha=-beta0).mul_(1 / reference.noise_norm(beta0))
+        update = m.mul(1 + beta0).add_(m_other, alpha=-beta0)
+        update.mul_(1 / reference.noise_norm(beta0))
         if not adaptive:
             param.sub_(update * lr)
             continue
@@ -294,16 +295,16 @@ FLAT_BACKENDS = ("fused", "triton", "triton_eager")
 # in bf16 the Triton step was within 3 % on the flat sets and took 45-70 % more on the
 # transformer set (24M elements in 76 tensors; host-bound there in that run, torch's steps
 # too). Run 9 moved the threshold from 2^24 to 2^26: below 2^26 the Triton step's GPU time is
-# close to its host time (0.10-0.18 ms a launch against the fused step's 0.05-0.09), and when
-# the host was slow it lost badly (three samples: resnet50 0.16-0.23 ms against fused
+# close to its host time (0.09-0.18 ms a launch against the fused step's 0.05-0.09), and when
+# the host was slow it lost badly (four samples: resnet50 0.16-0.23 ms against fused
 # 0.17-0.18, flat16M 0.11-0.19 against 0.11), and the fused step's 16,384-element chunks
 # (adopted in run 9) closed most of the gap where Triton did win (transformer: 0.145 ms against
 # Triton's 0.145-0.152, fused 0.161-0.162 before); from 2^26 up the Triton PNM step took 2-4 %
-# less in every sample. On one tensor of 2^20 elements it took twice the
-# time. On 2,000 small tensors it took 13-26 % less (host work), but a Triton step repeats only
-# while every parameter with state has a gradient, where the fused step repeats regardless, so
-# those batches stay fused; and so does a large batch in a step where a parameter with state
-# lacks a gradient (the optimizer's _group_batches).
+# less in every sample. On one tensor of 2^20 elements it took twice the time. On 2,000 small
+# tensors it took 13-26 % less (host work), but a Triton step repeats only while every
+# parameter with state has a gradient, where the fused step repeats regardless, so those
+# batches stay fused; and so does a large batch in a step where a parameter with state lacks a
+# gradient (the optimizer's _group_batches).
 AUTO_TRITON_MIN_NUMEL = 1 << 26
 
 

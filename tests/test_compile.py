@@ -19,8 +19,8 @@ def _models(n=2):
     return models
 
 
-@pytest.mark.parametrize("backend", ["fused", "foreach", pytest.param("triton", marks=pytest.mark.skipif(
-    not HAS_TRITON, reason="triton is not installed"))])
+@pytest.mark.parametrize("backend", ["fused", "foreach", pytest.param(
+    "triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"))])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_compiled_step_has_no_graph_break(name, backend):
     """Also with backend="triton", which runs the fused kernels when traced (on a GPU,
