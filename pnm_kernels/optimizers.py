@@ -60,6 +60,7 @@ class _HeldGroup:
     signature: tuple  # its hyper-parameters when last validated (see _signature)
     plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
     batches: list  # [_HeldBatch]
+    hp: dict  # _hyper(group) for that signature
 
 
 def _is_real_number(x) -> bool:
@@ -187,9 +188,17 @@ def _state_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
 
 
 def _signature(group: dict) -> tuple:
-    """A param group's hyper-parameters as they are now (a tensor by identity and version)."""
-    return tuple((id(v), v._version) if isinstance(v, torch.Tensor) else v
-                 for k, v in group.items() if k != "params")
+    """A param group's hyper-parameters as they are now, lr first (a tensor by identity and
+    version; a list, betas given as one, by its values: the list itself would equal itself
+    after an edit in place, which then went unvalidated)."""
+    return (_value_signature(group["lr"]),) + tuple(
+        _value_signature(v) for k, v in group.items() if k != "params" and k != "lr")
+
+
+def _value_signature(v):
+    if isinstance(v, torch.Tensor):
+        return id(v), v._version
+    return tuple(v) if type(v) is list else v
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -831,9 +840,12 @@ class _PositiveNegativeMomentum(Optimizer):
                 held.append(_HeldBatch(lists, item.params[0].device, item.params[0].dtype,
                                        item.backend, batch.memo))
             entries.append(_HeldGroup(group, list(group["params"]), self._validated[id(group)],
-                                      (group["backend"], self._buffers_needed(group)), held))
+                                      (group["backend"], self._buffers_needed(group)), held,
+                                      self._hyper(group)))
         if k == len(items):
-            self._repeat = (self._state_version(), entries)
+            flat = [(held, batch) for held in entries for batch in held.batches]
+            capture_matters = any(batch.backend == "triton_eager" for _, batch in flat)
+            self._repeat = (self._state_version(), entries, flat, capture_matters)
 
     def _lists_with_state(self, group, item, lists, kinds):
         """For a group of which only some parameters stepped (the plan item's, one of the
@@ -879,7 +891,7 @@ class _PositiveNegativeMomentum(Optimizer):
         repeat = self.__dict__.get("_repeat")
         if repeat is None:
             return False
-        version, entries = repeat
+        version, entries, flat, capture_matters = repeat
         groups = self.param_groups
         if len(groups) != len(entries) or self._state_version() != version:
             return False
@@ -890,17 +902,33 @@ class _PositiveNegativeMomentum(Optimizer):
                 return False
             signature = _signature(group)
             if signature != held.signature:
-                _validate_group(group, self._adaptive, f"param_groups[{gi}]")
-                if (group["backend"], self._buffers_needed(group)) != held.plan_keys:
-                    return False
+                lr = group["lr"]
+                if type(lr) is float and signature[1:] == held.signature[1:]:
+                    # Only a float lr changed (a scheduler's, every step): only it is checked.
+                    _check_real(f"param_groups[{gi}]", "lr", lr, low=0.0)
+                    held.hp = dict(held.hp, lr=lr)
+                else:
+                    _validate_group(group, self._adaptive, f"param_groups[{gi}]")
+                    if (group["backend"], self._buffers_needed(group)) != held.plan_keys:
+                        return False
+                    held.hp = self._hyper(group)
                 held.signature = self._validated[id(group)] = signature
-        batches = []  # (the group's hyper-parameters, a held batch of it)
-        for held in entries:
-            hp = self._hyper(held.group)
-            batches.extend((hp, batch) for batch in held.batches)
-        if (any(batch.backend == "triton_eager" for _, batch in batches)
-                and torch.cuda.is_current_stream_capturing()):
+        if capture_matters and torch.cuda.is_current_stream_capturing():
             return False  # "auto" runs the fused step inside a capture (run_triton_eager)
+        if len(flat) == 1 and flat[0][1].backend == "fused":  # the common case, in short
+            held, batch = flat[0]
+            device = batch.device
+            if grad_scale is not None:
+                grad_scale = grad_scale.to(device, non_blocking=True)
+            if found_inf is not None:
+                found_inf = found_inf.to(device, non_blocking=True)
+            try:
+                return _backends.run_fused_own_grads(
+                    self._adaptive, batch.lists, held.hp, False, _backends.emulating(device),
+                    device, grad_scale, found_inf)
+            except RuntimeError:  # refused before touching anything: the careful path says why
+                return False
+        batches = [(held.hp, batch) for held, batch in flat]
         several = len(batches) > 1
         if several and not all(batch.lists.take_own_grads() for _, batch in batches):
             self._drop_taken_grads(batches)

@@ -128,6 +128,38 @@ def test_numpy_scalar_hyper_parameters_act_as_python_numbers(path, name):
         assert torch.equal(a, b)
 
 
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@BOTH
+def test_betas_given_as_a_list_and_edited_in_place_are_validated_and_used(path, name):
+    """betas may be a list (torch's optimizers take one); an edit in place between steps is
+    seen like a new value: a valid one is used (the same as assigning it), an invalid one
+    raises naming the group before anything changes. (A step repeating the last one once
+    compared the list with itself, so the edit skipped validation.)"""
+    runs = []
+    for edit in ("in place", "assigned"):
+        params = make_params([(6,), (2, 3)])
+        betas = [0.9, 0.999, 1.0] if name == "AdaPNM" else [0.9, 1.0]
+        opt = OPTIMIZERS[name](params, lr=0.01, betas=betas, backend=path)
+        train(opt, params, 3)
+        if edit == "in place":
+            opt.param_groups[0]["betas"][0] = 0.5
+        else:
+            opt.param_groups[0]["betas"] = [0.5, *betas[1:]]
+        train(opt, params, 2, start=3)
+        runs.append(params)
+        opt.param_groups[0]["betas"][0] = 1.5  # invalid: beta1 < 1
+        for p in params:
+            p.grad = torch.ones_like(p)
+        before = [p.detach().clone() for p in params]
+        steps = [opt.state[p]["step"].clone() for p in params]
+        with pytest.raises(ValueError, match=r"param_groups\[0\]: invalid beta1 \(betas\[0\]\) 1.5"):
+            opt.step()
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        assert all(torch.equal(opt.state[p]["step"], s) for p, s in zip(params, steps))
+    for a, b in zip(*runs):
+        assert torch.equal(a, b)
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @BOTH
 def test_lr_scheduler_and_tensor_lr(path, name):
@@ -1127,6 +1159,30 @@ def test_invalid_value_set_after_construction_raises_at_step_before_any_change(n
     with pytest.raises(ValueError, match=r"param_groups\[0\].*lr"):
         opt.step()
     assert torch.equal(params[0], before) and not opt.state
+
+
+@pytest.mark.parametrize("path", ["reference"] + FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("bad_lr", [float("nan"), -0.1, float("inf")], ids=["nan", "negative", "inf"])
+@BOTH
+def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, bad_lr):
+    """As a scheduler sets it, after steps that repeat the last one (whose check of a new
+    float lr is the lr's alone): the step raises naming the group, changes nothing, and
+    steps again once the lr is valid."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], lr=0.01,
+                           backend=path)
+    train(opt, params, 3)
+    opt.param_groups[1]["lr"] = bad_lr
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: invalid lr"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert [opt.state[p]["step"].item() for p in params] == [3, 3]
+    opt.param_groups[1]["lr"] = 0.005
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in params] == [4, 4]
 
 
 def _bad_grad_cases():
