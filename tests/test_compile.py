@@ -196,6 +196,18 @@ def test_the_step_compiles_into_one_graph_with_fullgraph(name):
     assert [opt.state[p]["step"].item() for p in params] == [4, 4]
 
 
+def _step_beside(step, ref, params, ref_params, steps):
+    """`steps` steps of `step` over params and of the reference optimizer over its copies,
+    with the same new gradients each time."""
+    for t in range(steps):
+        gen = torch.Generator().manual_seed(t)
+        for p, q in zip(params, ref_params):
+            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(DEVICE)
+            q.grad = p.grad.clone()
+        step()
+        ref.step()
+
+
 @pytest.mark.parametrize("decoupled", [True, False], ids=["decoupled", "L2"])
 @pytest.mark.parametrize("backend", ["auto", "foreach"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
@@ -216,13 +228,7 @@ def test_float64_parameters_compile_into_one_graph_and_step_as_the_reference(nam
     ref = OPTIMIZERS[name](ref_params, backend="reference", **kwargs)
     counter = CompileCounter()
     step = torch.compile(opt.step, backend=counter, fullgraph=True)
-    for t in range(7):
-        gen = torch.Generator().manual_seed(t)
-        for p, q in zip(params, ref_params):
-            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(DEVICE)
-            q.grad = p.grad.clone()
-        step()
-        ref.step()
+    _step_beside(step, ref, params, ref_params, steps=7)
     assert counter.frame_count == 1
     assert_states_close(opt, params, ref, ref_params)
 
@@ -236,13 +242,7 @@ def test_float64_adapnm_compiled_by_inductor_steps_as_the_reference():
     opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, weight_decay=0.1)
     ref = OPTIMIZERS["AdaPNM"](ref_params, lr=1e-2, weight_decay=0.1, backend="reference")
     step = torch.compile(opt.step, fullgraph=True)
-    for t in range(3):
-        gen = torch.Generator().manual_seed(t)
-        for p, q in zip(params, ref_params):
-            p.grad = torch.randn(p.shape, generator=gen, dtype=p.dtype).to(DEVICE)
-            q.grad = p.grad.clone()
-        step()
-        ref.step()
+    _step_beside(step, ref, params, ref_params, steps=3)
     assert_states_close(opt, params, ref, ref_params)
 
 
