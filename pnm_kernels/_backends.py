@@ -108,25 +108,18 @@ def _run_traced(adaptive, batch, hp, grad_scale):
     Triton batches of an install without the extension. Both buffers are rewritten (one with
     its own values), which inductor fuses into the step's one pass. With found_inf (AMP) the
     eager path runs instead, reading it on the host."""
-    lr, beta1, beta0, wd = hp["lr"], hp["beta1"], hp["beta0"], hp["weight_decay"]
+    lr, beta1, beta0 = hp["lr"], hp["beta1"], hp["beta0"]
     torch._foreach_add_(batch.steps, 1.0)
     for i, (param, grad, step) in enumerate(zip(batch.params, batch.grads, batch.steps)):
-        if grad_scale is not None:
-            grad = grad / grad_scale
-        if hp["maximize"]:
-            grad = -grad
-        if hp["decoupled"]:
-            param.mul_(1 - lr * wd)
-        else:
-            grad = grad.add(param, alpha=wd)
+        grad = reference._decay_and_grad(param, grad, lr, hp["weight_decay"], hp["decoupled"],
+                                         hp["maximize"], grad_scale)
         pos, neg = batch.buffers[0][i], batch.buffers[1][i]
         odd = torch.remainder(step, 2) == 1
         m_other = torch.where(odd, neg, pos)
         m = torch.where(odd, pos, neg).mul(beta1**2).add_(grad, alpha=1 - beta1**2)
         pos.copy_(torch.where(odd, m, pos))
         neg.copy_(torch.where(odd, neg, m))
-        update = m.mul(1 + beta0).add_(m_other, alpha=-beta0)
-        update.mul_(1 / reference.noise_norm(beta0))
+        update = reference._pn_momentum(m, m_other, beta0)
         if not adaptive:
             param.sub_(update * lr)
             continue

@@ -77,9 +77,7 @@ def _check_real(where, name, value, *, low, high=math.inf, high_open=False):
         raise ValueError(f"{where}: invalid {name} {value!r}; need {low} <= {name} {upper}".rstrip())
 
 
-def _validate_group(group: dict, adaptive: bool, where: str) -> None:
-    """Checks every hyper-parameter of a group (DESIGN.md §1 "Valid hyper-parameters")."""
-    lr = group["lr"]
+def _validate_lr(lr, where: str) -> None:
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
@@ -88,6 +86,11 @@ def _validate_group(group: dict, adaptive: bool, where: str) -> None:
             _check_real(where, "lr", float(lr.detach()), low=0.0)
     else:
         _check_real(where, "lr", lr, low=0.0)
+
+
+def _validate_group(group: dict, adaptive: bool, where: str) -> None:
+    """Checks every hyper-parameter of a group (DESIGN.md §1 "Valid hyper-parameters")."""
+    _validate_lr(group["lr"], where)
     betas = group["betas"]
     names = ("beta1", "beta2", "beta0") if adaptive else ("beta1", "beta0")
     if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
@@ -199,6 +202,14 @@ def _value_signature(v):
     if isinstance(v, torch.Tensor):
         return id(v), v._version
     return tuple(v) if type(v) is list else v
+
+
+def _held_step_extras(device, grad_scale, found_inf) -> tuple:
+    """What a held batch's step takes after its hyper-parameters: whether it runs emulated,
+    its device, and grad_scale / found_inf moved there (read once per device and step)."""
+    return (_backends.emulating(device), device,
+            None if grad_scale is None else grad_scale.to(device, non_blocking=True),
+            None if found_inf is None else found_inf.to(device, non_blocking=True))
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
@@ -905,7 +916,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 lr = group["lr"]
                 if type(lr) is float and signature[1:] == held.signature[1:]:
                     # Only a float lr changed (a scheduler's, every step): only it is checked.
-                    _check_real(f"param_groups[{gi}]", "lr", lr, low=0.0)
+                    _validate_lr(lr, f"param_groups[{gi}]")
                     held.hp = dict(held.hp, lr=lr)
                 else:
                     _validate_group(group, self._adaptive, f"param_groups[{gi}]")
@@ -917,15 +928,10 @@ class _PositiveNegativeMomentum(Optimizer):
             return False  # "auto" runs the fused step inside a capture (run_triton_eager)
         if len(flat) == 1 and flat[0][1].backend == "fused":  # the common case, in short
             held, batch = flat[0]
-            device = batch.device
-            if grad_scale is not None:
-                grad_scale = grad_scale.to(device, non_blocking=True)
-            if found_inf is not None:
-                found_inf = found_inf.to(device, non_blocking=True)
             try:
                 return _backends.run_fused_own_grads(
-                    self._adaptive, batch.lists, held.hp, False, _backends.emulating(device),
-                    device, grad_scale, found_inf)
+                    self._adaptive, batch.lists, held.hp, False,
+                    *_held_step_extras(batch.device, grad_scale, found_inf))
             except RuntimeError:  # refused before touching anything: the careful path says why
                 return False
         batches = [(held.hp, batch) for held, batch in flat]
@@ -951,10 +957,8 @@ class _PositiveNegativeMomentum(Optimizer):
         for i, (hp, batch) in enumerate(batches):
             extra = per_device.get(batch.device)
             if extra is None:
-                extra = per_device[batch.device] = (
-                    _backends.emulating(batch.device), batch.device,
-                    *(None if t is None else t.to(batch.device, non_blocking=True)
-                      for t in (grad_scale, found_inf)))
+                extra = per_device[batch.device] = _held_step_extras(batch.device, grad_scale,
+                                                                     found_inf)
             try:
                 if batch.backend != "fused":
                     launches[i](*extra[2:])
