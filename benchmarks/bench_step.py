@@ -27,7 +27,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 import pnm_kernels  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
-from pnm_kernels._ops import CUDA_CHUNK_SIZE  # noqa: E402
+from pnm_kernels._ops import cuda_chunk_size  # noqa: E402
 from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 
 # Bytes per element per step (fp32; scaled by the element size for other dtypes).
@@ -110,10 +110,6 @@ def contenders(device):
                     lambda ps, b=backend: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b)))
         out.append((f"AdaPNM[{backend}]", "AdaPNM",
                     lambda ps, b=backend: AdaPNM(ps, lr=1e-3, amsgrad=True, backend=b)))
-    if device == "cuda" and torch.cuda.get_device_capability()[0] == 9:
-        # What "auto" gives where it is more than the fused step: on Hopper, a large fp32
-        # PNM batch runs the Triton step (pnm_kernels._backends.auto_prefers_triton).
-        out.append(("PNM[auto]", "PNM", lambda ps: PNM(ps, lr=1e-3, betas=(0.9, 1.0))))
     # What a user might try instead of a fused kernel: the per-parameter reference with its
     # step wrapped in torch.compile, and the maths written in foreach ops for torch.compile.
     out.append(("PNM[reference+torch.compile]", "PNM", lambda ps: _compiled(
@@ -372,7 +368,7 @@ def write_table(results, copy_gbps, info):
             for k, c in info["triton_configs"].items())]
     if info.get("fused_chunk"):
         lines[1:1] = ["", f"Fused CUDA step: {info['fused_chunk']} elements a block "
-                          f"(--fused-chunk; shipped: {CUDA_CHUNK_SIZE})"]
+                          f"(--fused-chunk; shipped: {info['fused_chunk_shipped']})"]
     fmt = lambda r, k, f: (f % r[k]) if k in r else "–"  # noqa: E731
     for r in results:
         if "error" in r:
@@ -449,7 +445,9 @@ def main(argv=None):
                              "benchmarks/tune_triton.py run instead of the built-in table")
     parser.add_argument("--fused-chunk", type=int, metavar="ELEMENTS",
                         help="elements each block of the fused CUDA step updates (a multiple "
-                             f"of 8; shipped {CUDA_CHUNK_SIZE}): to time other launch shapes")
+                             f"of 8; shipped {cuda_chunk_size(torch.float32)} for fp32, "
+                             f"{cuda_chunk_size(torch.bfloat16)} for 16-bit types): to time "
+                             "other launch shapes")
     args = parser.parse_args(argv)
     device, dtype = args.device, getattr(torch, args.dtype)
     if device == "cuda" and not torch.cuda.is_available():
@@ -478,6 +476,7 @@ def main(argv=None):
             parser.error(f"--fused-chunk: the compiled extension is not built ({extension_error()})")
         set_launch_limits(chunk_size=args.fused_chunk)
         info["fused_chunk"] = args.fused_chunk
+        info["fused_chunk_shipped"] = f"{cuda_chunk_size(dtype)} for {args.dtype}"
     copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
                                else (256 << 20))
     progress = Progress(rounds * len(names))

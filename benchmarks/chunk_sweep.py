@@ -21,7 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step import SETS, machine_info, timed  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
-from pnm_kernels._ops import CUDA_CHUNK_SIZE, set_launch_limits  # noqa: E402
+from pnm_kernels._ops import cuda_chunk_size, set_launch_limits  # noqa: E402
 
 FACTORIES = {"PNM": lambda ps, b: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b),
              "AdaPNM": lambda ps, b: AdaPNM(ps, lr=1e-3, amsgrad=True, backend=b)}
@@ -67,34 +67,36 @@ def main(argv=None):
     args = parser.parse_args(argv)
     if args.device == "cuda" and not torch.cuda.is_available():
         parser.error("needs a CUDA device")
+    dtypes = [getattr(torch, d) for d in args.dtypes.split(",")]
     chunks = [int(c) for c in args.chunks.split(",")]
-    if CUDA_CHUNK_SIZE not in chunks:
-        chunks.append(CUDA_CHUNK_SIZE)  # the baseline of every ratio
+    chunks += sorted({cuda_chunk_size(d) for d in dtypes} - set(chunks))  # the ratios' baselines
     with_triton = args.device == "cuda" and "triton" in available_backends("cuda")
     info = machine_info(args.device, args)
     rows = []
     for name in args.sets.split(","):
         shapes = SETS[name]()
-        for dtype_name in args.dtypes.split(","):
+        for dtype in dtypes:
             for family in FACTORIES:
-                times = sweep(shapes, getattr(torch, dtype_name), family, chunks, args.rounds,
-                              args.steps, with_triton, args.device)
-                base = times[CUDA_CHUNK_SIZE]
+                times = sweep(shapes, dtype, family, chunks, args.rounds, args.steps,
+                              with_triton, args.device)
+                base = times[cuda_chunk_size(dtype)]
                 rows.append(dict(
-                    set=name, dtype=dtype_name, optimizer=family,
+                    set=name, dtype=str(dtype).removeprefix("torch."), optimizer=family,
+                    shipped=cuda_chunk_size(dtype),
                     ms={str(c): statistics.median(t) * 1e3 for c, t in times.items()},
                     vs_shipped={str(c): statistics.median(a / b for a, b in zip(t, base))
                                 for c, t in times.items()},
                     times_ms={str(c): [x * 1e3 for x in t] for c, t in times.items()}))
                 if args.device == "cuda":
                     torch.cuda.empty_cache()
-                print(name, dtype_name, family, {c: round(v, 4) for c, v in rows[-1]["ms"].items()},
+                print(name, rows[-1]["dtype"], family, {c: round(v, 4) for c, v in rows[-1]["ms"].items()},
                       flush=True)
     keys = [str(c) for c in chunks] + (["triton"] if with_triton else [])
     lines = [f"Device: {info.get('gpu', info['cpu'])}, torch "
              f"{torch.__version__}; fused CUDA step, ms a step (median of {args.rounds} rounds of "
-             f"{args.steps} steps) and, in brackets, the median paired ratio to the shipped "
-             f"{CUDA_CHUNK_SIZE}-element chunks",
+             f"{args.steps} steps) and, in brackets, the median paired ratio to the chunk size "
+             f"shipped for the dtype (" + ", ".join(
+                 f"{str(d).removeprefix('torch.')} {cuda_chunk_size(d)}" for d in dtypes) + ")",
              "", "| set | dtype | optimizer | " + " | ".join(
                  f"chunk {k}" if k != "triton" else "Triton step" for k in keys) + " |",
              "|---|---|---|" + "---|" * len(keys)]
@@ -107,7 +109,7 @@ def main(argv=None):
     with open(os.path.join(args.out, "chunk_sweep.md"), "w") as f:
         f.write(table + "\n")
     with open(os.path.join(args.out, "chunk_sweep.json"), "w") as f:
-        json.dump(dict(machine=info, chunks=chunks, shipped=CUDA_CHUNK_SIZE, rows=rows), f, indent=1)
+        json.dump(dict(machine=info, chunks=chunks, rows=rows), f, indent=1)
 
 
 if __name__ == "__main__":

@@ -19,11 +19,15 @@
 namespace pnm {
 
 constexpr int kBlockSize = 512;
-// 16,384 rather than torch's 65,536: on an H200 (benchmarks/results/gpu-h200-2026-11-26-run9)
-// a transformer-shaped step took 0.145 ms against 0.161-0.162 in four runs (65,536 leaves the
-// last wave of blocks part-empty), and 1.4-1.8 % less on 124M-256M-element steps. Must equal
-// pnm_kernels._ops.CUDA_CHUNK_SIZE.
-constexpr int64_t kDefaultChunkSize = 16384;
+// Elements a block updates, by element size. Smaller than torch's 65,536: a part-empty last
+// wave of large blocks is idle bandwidth. On an H200, side by side in one process
+// (benchmarks/results/gpu-h200-2026-11-26-run12), every fp32 step of 16M-1.2G elements took
+// 0.9-2.9 % less time with 4,096 than with 16,384 (which had taken 1.4-10 % less than 65,536,
+// run 9); bf16 AdaPNM took 7-35 % more with 4,096 and up to 6.5 % more with 8,192, bf16 PNM
+// within 2.2 % either way: 16-bit types keep 16,384. Must equal pnm_kernels._ops.cuda_chunk_size.
+constexpr int64_t default_chunk_size(size_t element_size) {
+  return element_size >= 4 ? 4096 : 16384;
+}
 constexpr int kVecBytes = 16;  // one 128-bit load or store per list and thread
 
 // Lists, in this order in every table: 0 param, 1 grad, 2 positive buffer (pos_momentum /
@@ -113,9 +117,9 @@ struct StepArgs {
 };
 
 // Test hook: smaller chunks and tables make chunk and launch boundaries reachable with small
-// tensors. Zero means "the default / the table's capacity".
+// tensors. Zero means "the default (default_chunk_size) / the table's capacity".
 struct LaunchLimits {
-  int64_t chunk_size = kDefaultChunkSize;
+  int64_t chunk_size = 0;
   int max_tensors = 0;
   int max_blocks = 0;
   // The most blocks a step may have to be a single launch: the device's SM count on a GPU
@@ -250,8 +254,10 @@ PNM_HOST_DEVICE void finish_launch(const LaunchTable<kLists>& tab, int thread, i
 template <int kLists>
 std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptrs,
                                                float* const* steps, const int64_t* numels,
-                                               const LaunchLimits& limits) {
+                                               size_t element_size, const LaunchLimits& limits) {
   using Table = LaunchTable<kLists>;
+  const int64_t chunk_size =
+      limits.chunk_size > 0 ? limits.chunk_size : default_chunk_size(element_size);
   const int max_tensors = limits.max_tensors > 0 && limits.max_tensors < Table::kMaxTensors
                               ? limits.max_tensors : Table::kMaxTensors;
   const int max_blocks = limits.max_blocks > 0 && limits.max_blocks < Table::kMaxBlocks
@@ -260,7 +266,7 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
   // (for 2,000 small tensors that was 100 us of a step's host time, the rest 5 us).
   int64_t chunks_total = 0;
   for (int i = 0; i < num_tensors; ++i) {
-    chunks_total += (numels[i] + limits.chunk_size - 1) / limits.chunk_size;
+    chunks_total += (numels[i] + chunk_size - 1) / chunk_size;
   }
   std::vector<Table> tables;
   tables.reserve(num_tensors / max_tensors + chunks_total / max_blocks + 2);
@@ -268,7 +274,7 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
   auto open_table = [&]() {
     tables.emplace_back();
     cur = &tables.back();
-    cur->chunk_size = limits.chunk_size;
+    cur->chunk_size = chunk_size;
     cur->blocks_done = nullptr;
     cur->num_tensors = 0;
     cur->num_blocks = 0;
@@ -284,7 +290,7 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
   for (int i = 0; i < num_tensors; ++i) {
     if (cur == nullptr || cur->num_tensors == max_tensors) open_table();
     add_tensor(i, 0);
-    const int64_t chunks = (numels[i] + limits.chunk_size - 1) / limits.chunk_size;
+    const int64_t chunks = (numels[i] + chunk_size - 1) / chunk_size;
     for (int64_t chunk = 0; chunk < chunks;) {
       if (cur->num_blocks == max_blocks) {  // continued in the next table
         open_table();

@@ -62,7 +62,7 @@ void run_cuda(const StepCall& call, const StepArgs& args) {
   const int n = static_cast<int>(call.size());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
-                                            launch_limits());
+                                            sizeof(T), launch_limits());
   unsigned int* const blocks_done = blocks_done_ptr(call);
   if (blocks_done != nullptr) {
     const int limit = launch_limits().max_single_launch_blocks;

@@ -529,7 +529,7 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   TORCH_CHECK(blocks_done == nullptr || *blocks_done == 0,
               "pnm_kernels: blocks_done must be zero when a step starts, got ", *blocks_done);
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
-                                            launch_limits());
+                                            sizeof(T), launch_limits());
   if (make_single_launch(tables, blocks_done, launch_limits().max_single_launch_blocks)) {
     if (step_skipped(args.found_inf)) return;
     const LaunchTable<Algo::kLists>& table = tables[0];
@@ -600,9 +600,10 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool 
   return -1;
 }
 
-// Test hook: the launch plan for tensors of these sizes, as (table, tensor, chunk) triples,
-// one per block. No memory is touched, so sizes beyond 2^31 elements can be planned here.
-std::vector<int64_t> launch_plan(at::IntArrayRef numels) {
+// Test hook: the launch plan for tensors of these sizes and element size, as (table, tensor,
+// chunk) triples, one per block. No memory is touched, so sizes beyond 2^31 elements can be
+// planned here.
+std::vector<int64_t> launch_plan(at::IntArrayRef numels, int64_t element_size) {
   constexpr int kLists = 4;
   const int n = static_cast<int>(numels.size());
   std::vector<void*> ptrs(static_cast<size_t>(n) * kLists);
@@ -611,7 +612,7 @@ std::vector<int64_t> launch_plan(at::IntArrayRef numels) {
   }
   std::vector<float*> steps(n, nullptr);
   const auto tables = plan_launches<kLists>(n, ptrs.data(), steps.data(), numels.data(),
-                                            launch_limits());
+                                            static_cast<size_t>(element_size), launch_limits());
   std::vector<int64_t> out;
   for (size_t t = 0; t < tables.size(); ++t) {
     for (int b = 0; b < tables[t].num_blocks; ++b) {  // each block as step_block finds it
@@ -629,7 +630,7 @@ void set_launch_limits(int64_t chunk_size, int64_t max_tensors, int64_t max_bloc
   TORCH_CHECK(chunk_size >= 0 && chunk_size % 8 == 0,
               "pnm_kernels: chunk_size must be a non-negative multiple of 8, got ", chunk_size);
   LaunchLimits& limits = launch_limits();
-  limits.chunk_size = chunk_size > 0 ? chunk_size : kDefaultChunkSize;
+  limits.chunk_size = chunk_size;
   limits.max_tensors = static_cast<int>(max_tensors);
   limits.max_blocks = static_cast<int>(max_blocks);
   limits.max_single_launch_blocks = static_cast<int>(max_single_launch_blocks);
@@ -940,7 +941,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
         &pnm::set_launch_limits);
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
-  m.def("_launch_plan(int[] numels) -> int[]", &pnm::launch_plan);
+  m.def("_launch_plan(int[] numels, int element_size) -> int[]", &pnm::launch_plan);
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
   m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
   m.def("_cpu_isa() -> str", &pnm::cpu_isa);

@@ -244,7 +244,7 @@ def traceable(backend: str, device: torch.device, dtype: torch.dtype) -> str:
     in the fused kernels, or in foreach ops without the extension (a Triton-only install).
     Decided where dynamo does not trace (the optimizer's _init_group): traced, asking
     whether the extension has CUDA kernels broke the graph."""
-    if backend in ("triton", "triton_eager"):
+    if backend == "triton":
         return "fused" if fused_unavailable_reason(device, dtype) is None else "foreach"
     return backend
 
@@ -253,17 +253,6 @@ def run_triton(adaptive, batch, hp, grad_scale, found_inf):
     from . import triton_kernels  # (never under torch.compile: see traceable)
 
     triton_kernels.step(adaptive, batch, hp, grad_scale, found_inf)
-
-
-def run_triton_eager(adaptive, batch, hp, grad_scale, found_inf):
-    """"auto" for a large CUDA batch: the Triton step, which moved its bytes a few per cent
-    faster than the fused kernels there. Inside a CUDA-graph capture (where gradients
-    allocated in the capture could not be entered in its pointer tables) the fused step runs
-    instead: the same state and maths (under torch.compile too: see traceable)."""
-    if torch.cuda.is_current_stream_capturing():
-        run_fused(adaptive, batch, hp, grad_scale, found_inf)
-    else:
-        run_triton(adaptive, batch, hp, grad_scale, found_inf)
 
 
 def _native_first_mismatched_grad():
@@ -278,39 +267,9 @@ def _native_first_mismatched_grad():
 first_mismatched_grad = _native_first_mismatched_grad()
 
 RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fused,
-           "triton": run_triton, "triton_eager": run_triton_eager}
+           "triton": run_triton}
 # Backends whose kernels need every tensor dense and laid out like its parameter.
-FLAT_BACKENDS = ("fused", "triton", "triton_eager")
-# "auto" on CUDA, from benchmarks/results (H200, 2026-11-26). Run 7, with the repeated Triton
-# step (its pointer tables reused while every parameter has a gradient): the Triton PNM step
-# took 3-9 % less time than the fused one on every float32 set from 2^24 elements (resnet50,
-# transformer, gpt2-124m, llama-1b, flat16M-flat1024M), the Triton AdaPNM step up to 3 % more;
-# in bf16 the Triton step was within 3 % on the flat sets and took 45-70 % more on the
-# transformer set (24M elements in 76 tensors; host-bound there in that run, torch's steps
-# too). Run 9 moved the threshold from 2^24 to 2^26: below 2^26 the Triton step's GPU time is
-# close to its host time (0.09-0.18 ms a launch against the fused step's 0.05-0.09), and when
-# the host was slow it lost badly (four samples: resnet50 0.16-0.23 ms against fused
-# 0.17-0.18, flat16M 0.11-0.19 against 0.11), and the fused step's 16,384-element chunks
-# (adopted in run 9) closed most of the gap where Triton did win (transformer: 0.145 ms against
-# Triton's 0.145-0.152, fused 0.161-0.162 before); from 2^26 up the Triton PNM step took 2-4 %
-# less in every sample. On one tensor of 2^20 elements it took twice the time. On 2,000 small
-# tensors it took 13-26 % less (host work), but a Triton step repeats only while every
-# parameter with state has a gradient, where the fused step repeats regardless, so those
-# batches stay fused; and so does a large batch in a step where a parameter with state lacks a
-# gradient (the optimizer's _group_batches).
-AUTO_TRITON_MIN_NUMEL = 1 << 26
-
-
-def auto_prefers_triton(device: torch.device, dtype: torch.dtype, numel: Optional[int],
-                        adaptive: bool = False) -> bool:
-    """Whether "auto" runs a CUDA batch of `numel` elements on the Triton kernels: only large
-    float32 PNM batches, and only on the GPU generation where that was measured (Hopper)."""
-    if (adaptive or numel is None or numel < AUTO_TRITON_MIN_NUMEL or device.type != "cuda"
-            or dtype != torch.float32):
-        return False
-    return torch.cuda.get_device_capability(device)[0] == 9
-
-
+FLAT_BACKENDS = ("fused", "triton")
 def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     error = extension_error()
     if error is not None:
@@ -342,11 +301,19 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optio
             f"not on {device.type} tensors")
 
 
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
-                    numel: Optional[int] = None, adaptive: bool = False) -> str:
-    """The backend that runs a batch (of `numel` elements, when known; of AdaPNM when
-    adaptive): the one asked for, or for "auto" the fastest available as measured. Raises
-    RuntimeError/ValueError saying why a requested backend cannot run."""
+# "auto": the fused kernels wherever they run (float32, float16 and bfloat16 on CPU and CUDA),
+# else on CUDA the Triton step (an install without the extension's CUDA kernels), else foreach
+# ops (float64, other devices). On an H200, side by side in one process
+# (benchmarks/results/gpu-h200-2026-11-26-run12), the fused step with its 4,096-element fp32
+# chunks took the Triton step's time within 0.5 % on every fp32 set from 2^26 elements, PNM and
+# AdaPNM, and less below (16-bit: less or the same everywhere). With 16,384-element chunks the
+# Triton PNM step had taken 2-4 % less from 2^26 elements, and "auto" took it there (runs 7-11).
+# The fused step also spends less host time a step (0.05-0.08 ms against 0.10-0.16), repeats
+# where a parameter with state lacks a gradient, and runs inside any CUDA-graph capture.
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+    """The backend that runs a batch: the one asked for, or for "auto" the fastest available
+    as measured (see above). Raises RuntimeError/ValueError saying why a requested backend
+    cannot run."""
     if requested in ("reference", "foreach"):
         if dtype not in REFERENCE_DTYPES:
             raise ValueError(f"unsupported parameter dtype {dtype}")
@@ -355,11 +322,8 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
         reason = fused_unavailable_reason(device, dtype)
     elif requested == "triton":
         reason = triton_unavailable_reason(device, dtype)
-    else:  # auto
+    else:  # auto: see _AUTO
         if fused_unavailable_reason(device, dtype) is None:
-            if (auto_prefers_triton(device, dtype, numel, adaptive)
-                    and triton_unavailable_reason(device, dtype) is None):
-                return "triton_eager"
             return "fused"
         if device.type == "cuda" and triton_unavailable_reason(device, dtype) is None:
             return "triton"

@@ -27,9 +27,10 @@ if _EXTENSION_ERROR is None:
         torch.library.register_fake(f"pnm_kernels::{_name}")(_fake_step)
 
 
-# Elements each block of the fused CUDA step updates (csrc/multi_tensor_apply.h's
-# kDefaultChunkSize; a test checks the two agree).
-CUDA_CHUNK_SIZE = 16384
+def cuda_chunk_size(dtype: torch.dtype) -> int:
+    """Elements each block of the fused CUDA step updates for parameters of this dtype
+    (csrc/multi_tensor_apply.h's default_chunk_size; a test checks the two agree)."""
+    return 4096 if dtype.itemsize >= 4 else 16384
 
 
 def set_launch_limits(chunk_size: int = 0, max_tensors: int = 0, max_blocks: int = 0,

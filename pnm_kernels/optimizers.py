@@ -38,7 +38,7 @@ class _PlanItem:
     origin: Optional[tuple] = None  # (gi, grouping, the group's grads) when the kernel checks
 
 
-_HELD_BACKENDS = ("fused", "triton", "triton_eager")  # their lists are held in C++
+_HELD_BACKENDS = ("fused", "triton")  # their lists are held in C++
 
 
 @dataclass
@@ -48,7 +48,7 @@ class _HeldBatch:
     lists: object  # the batch's pnm_kernels._C StepLists
     device: torch.device
     dtype: torch.dtype
-    backend: str  # "fused", "triton" or "triton_eager" ("auto"'s Triton: see _repeat_step)
+    backend: str  # "fused" or "triton"
     memo: dict  # the batch's memo (a Triton batch's: its tables and ticket counter)
 
 
@@ -548,22 +548,8 @@ class _PositiveNegativeMomentum(Optimizer):
             batches[key][1].append(pi)
             if not _is_plain(p) or type(p.grad) is not torch.Tensor:
                 batches[key][2][0] = False  # subclasses: DTensors are checked by _shards_match
-        out = []
-        for (device, dtype), (backend, idx, plain) in batches.items():
-            # "auto" may depend on the batch's size, as measured for batches of plain
-            # tensors; a DTensor batch keeps what "auto" picks without a size.
-            if group["backend"] == "auto" and backend == "fused" and plain[0]:
-                numel = sum(group["params"][pi].numel() for pi in idx)
-                backend = _backends.resolve_backend("auto", device, dtype.to_real(), numel,
-                                                    self._adaptive)
-            if (backend == "triton_eager" and len(indices) < len(group["params"])
-                    and self._lacking_grads_with_state(group)):
-                # The Triton step repeats only while every parameter with state has a
-                # gradient (its tables name each tensor); the fused one skips the others and
-                # repeats, where Triton would plan every step (mixture-of-experts layers).
-                backend = "fused"
-            out.append((backend, idx, plain[0], (device, dtype)))
-        return out
+        return [(backend, idx, plain[0], (device, dtype))
+                for (device, dtype), (backend, idx, plain) in batches.items()]
 
     def _lacking_grads_with_state(self, group):
         """Whether a parameter of the group that has state has no gradient."""
@@ -855,8 +841,7 @@ class _PositiveNegativeMomentum(Optimizer):
                                       self._hyper(group)))
         if k == len(items):
             flat = [(held, batch) for held in entries for batch in held.batches]
-            capture_matters = any(batch.backend == "triton_eager" for _, batch in flat)
-            self._repeat = (self._state_version(), entries, flat, capture_matters)
+            self._repeat = (self._state_version(), entries, flat)
 
     def _lists_with_state(self, group, item, lists, kinds):
         """For a group of which only some parameters stepped (the plan item's, one of the
@@ -902,7 +887,7 @@ class _PositiveNegativeMomentum(Optimizer):
         repeat = self.__dict__.get("_repeat")
         if repeat is None:
             return False
-        version, entries, flat, capture_matters = repeat
+        version, entries, flat = repeat
         groups = self.param_groups
         if len(groups) != len(entries) or self._state_version() != version:
             return False
@@ -924,8 +909,6 @@ class _PositiveNegativeMomentum(Optimizer):
                         return False
                     held.hp = self._hyper(group)
                 held.signature = self._validated[id(group)] = signature
-        if capture_matters and torch.cuda.is_current_stream_capturing():
-            return False  # "auto" runs the fused step inside a capture (run_triton_eager)
         if len(flat) == 1 and flat[0][1].backend == "fused":  # the common case, in short
             held, batch = flat[0]
             try:
@@ -943,7 +926,7 @@ class _PositiveNegativeMomentum(Optimizer):
         # steps: their kernels check nothing, so one that cannot step stops the whole step.
         launches = {}
         for i, (hp, batch) in enumerate(batches):
-            if batch.backend != "fused":  # Triton, as asked for or as "auto" chose it
+            if batch.backend == "triton":
                 try:
                     launches[i] = _backends.prepare_triton_own_grads(
                         self._adaptive, batch.lists, batch.memo, batch.device, batch.dtype,

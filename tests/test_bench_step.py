@@ -88,9 +88,9 @@ def test_a_full_run_times_every_compiled_contender(tmp_path):
 @requires_extension
 def test_the_fused_chunk_can_be_set_for_a_run_and_is_put_back(tmp_path, monkeypatch):
     """--fused-chunk times another launch shape of the fused CUDA step, says so in the table
-    and its JSON, and leaves the shipped chunking behind it (16,384 elements a block)."""
-    blocks = lambda numel: len(torch.ops.pnm_kernels._launch_plan([numel])) // 3  # noqa: E731
-    assert blocks(1 << 17) == 8
+    and its JSON, and leaves the shipped chunking behind it (4,096 fp32 elements a block)."""
+    blocks = lambda numel: len(torch.ops.pnm_kernels._launch_plan([numel], 4)) // 3  # noqa: E731
+    assert blocks(1 << 17) == 32
     during = []
     bench_set = bench_step.bench_set
     monkeypatch.setattr(bench_step, "bench_set",
@@ -101,8 +101,8 @@ def test_the_fused_chunk_can_be_set_for_a_run_and_is_put_back(tmp_path, monkeypa
     info = json.loads((tmp_path / "bench_step-cpu-float32.json").read_text())["machine"]
     assert info["fused_chunk"] == 65536
     md = (tmp_path / "bench_step-cpu-float32.md").read_text()
-    assert "65536 elements a block (--fused-chunk; shipped: 16384)" in md
-    assert blocks(1 << 17) == 8
+    assert "65536 elements a block (--fused-chunk; shipped: 4096 for float32)" in md
+    assert blocks(1 << 17) == 32
     with pytest.raises(SystemExit):
         bench_step.main(["--device", "cpu", "--sets", "flat1M", "--fused-chunk", "1000001"])
 

@@ -4,26 +4,19 @@ import pytest
 import torch
 
 from conftest import OPTIMIZERS, assert_states_close, clone_params, make_params, requires_cuda, train
-from pnm_kernels._ops import CUDA_CHUNK_SIZE
+from pnm_kernels._ops import cuda_chunk_size
 
 pytestmark = requires_cuda
 
 
 @pytest.mark.parametrize("set_to_none", [False, True])
-@pytest.mark.parametrize("backend", ["fused", "triton", "auto-large"])
+@pytest.mark.parametrize("backend", ["fused", "triton"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_to_none,
-                                                             monkeypatch):
+def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_to_none):
     """set_to_none=True is torch's own recipe (gradients allocated inside the capture); the
-    Triton tables would need a copy inside the capture there and it refuses, saying so.
-    "auto-large": "auto" where it prefers the Triton step for every batch, as for a large
-    fp32 PNM one (Triton eagerly, the fused kernels inside the capture)."""
+    Triton tables would need a copy inside the capture there and it refuses, saying so."""
     if backend == "triton" and set_to_none:
         pytest.skip("Triton: gradients must persist across a capture (see triton_kernels)")
-    if backend == "auto-large":
-        from pnm_kernels import _backends
-        monkeypatch.setattr(_backends, "auto_prefers_triton", lambda *args: True)
-        backend = "auto"
     torch.manual_seed(0)
     models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
               for _ in range(2)]
@@ -121,7 +114,8 @@ def test_a_step_of_at_most_one_block_per_sm_is_a_single_launch(name):
     sms = torch.cuda.get_device_properties(0).multi_processor_count
     for blocks, expected in ((sms, ["single"]), (sms + 1, ["step", "increment"]),
                              (2000, ["step", "increment"])):
-        params = make_params([((blocks - 1) * CUDA_CHUNK_SIZE,), (3,)], device="cuda")  # a block each
+        chunk = cuda_chunk_size(torch.float32)
+        params = make_params([((blocks - 1) * chunk,), (3,)], device="cuda")  # a block each
         ref_params = clone_params(params)
         opt = OPTIMIZERS[name](params, lr=1e-3, backend="fused")
         ref = OPTIMIZERS[name](ref_params, lr=1e-3, backend="reference")

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from conftest import make_params, requires_extension
-from pnm_kernels._ops import (CUDA_CHUNK_SIZE, cpu_isa, cpu_isas, default_cpu_isa, set_cpu_isa,
+from pnm_kernels._ops import (cpu_isa, cpu_isas, cuda_chunk_size, default_cpu_isa, set_cpu_isa,
                               set_launch_limits)
 
 pytestmark = requires_extension
@@ -219,19 +219,20 @@ def test_a_bad_blocks_done_counter_raises_and_writes_nothing(blocks_done, messag
             assert torch.equal(t, o)
 
 
-def _plan(numels):
-    flat = torch.ops.pnm_kernels._launch_plan(numels)
+def _plan(numels, dtype=torch.float32):
+    flat = torch.ops.pnm_kernels._launch_plan(numels, dtype.itemsize)
     return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("limits", [(0, 0, 0), (64, 3, 4), (1024, 2, 1)],
                          ids=["defaults", "small-tables", "one-block-launches"])
-def test_launch_plan_covers_every_chunk_once_in_order(limits):
+def test_launch_plan_covers_every_chunk_once_in_order(limits, dtype):
     numels = [1, 0, 5000, 64, 65, 3, 200000, 7]
     set_launch_limits(*limits)
     try:
-        plan = _plan(numels)
-        chunk = limits[0] or CUDA_CHUNK_SIZE
+        plan = _plan(numels, dtype)
+        chunk = limits[0] or cuda_chunk_size(dtype)
     finally:
         set_launch_limits()
     expected = [(i, c) for i, n in enumerate(numels) for c in range((n + chunk - 1) // chunk)]
@@ -245,27 +246,33 @@ def test_launch_plan_covers_every_chunk_once_in_order(limits):
         assert len({t for _, t, _ in blocks}) <= (limits[1] or 535)
 
 
-def test_the_python_chunk_size_is_the_kernels():
-    assert _plan([CUDA_CHUNK_SIZE]) == [(0, 0, 0)]
-    assert _plan([CUDA_CHUNK_SIZE + 1]) == [(0, 0, 0), (0, 0, 1)]
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32, torch.bfloat16, torch.float16])
+def test_the_python_chunk_size_is_the_kernels(dtype):
+    """4,096 elements a block for 4- and 8-byte types, 16,384 for 16-bit ones."""
+    chunk = cuda_chunk_size(dtype)
+    assert chunk == (16384 if dtype.itemsize == 2 else 4096)
+    assert _plan([chunk], dtype) == [(0, 0, 0)]
+    assert _plan([chunk + 1], dtype) == [(0, 0, 0), (0, 0, 1)]
 
 
 def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
-    """Chunk offsets are 64-bit: a 2^31 + 5 element tensor gets 2^31 / 16,384 + 1 chunks, its
+    """Chunk offsets are 64-bit: a 2^31 + 5 element tensor gets 2^31 / 4,096 + 1 chunks, its
     last one holding the 5 elements past 2^31, in the same launch as its neighbours."""
     plan = _plan([3, 2**31 + 5, 9])
+    chunk = cuda_chunk_size(torch.float32)
     big = [c for table, t, c in plan if t == 1]
-    assert big == list(range(2**31 // CUDA_CHUNK_SIZE + 1))
-    assert big[-1] * CUDA_CHUNK_SIZE == 2**31
+    assert big == list(range(2**31 // chunk + 1))
+    assert big[-1] * chunk == 2**31
     assert {table for table, _, _ in plan} == {0}
     assert plan[-1][1:] == (2, 0)
 
 
 def test_a_large_model_is_one_launch_and_many_tensors_are_few():
     """Launches are cut by tensor slots only (535 a table for PNM), never by chunk count: a
-    Llama-1B-sized step of 146 tensors, 74,753 chunks, is one launch; 2,000 tensors are four."""
+    Llama-1B-sized fp32 step of 146 tensors, 299,018 chunks, is one launch; 2,000 tensors
+    are four."""
     llama = _plan([2**23] * 146 + [2**13 * 5])
-    assert len(llama) == 146 * 512 + 3 and {table for table, _, _ in llama} == {0}
+    assert len(llama) == 146 * 2048 + 10 and {table for table, _, _ in llama} == {0}
     many = _plan([16] * 2000)
     assert [table for table, _, _ in many] == sorted(i // 535 for i in range(2000))
 
