@@ -216,3 +216,25 @@ def test_dtensor_step_script_times_each_optimizer_and_leaves_no_process_group(ca
         "| AdaPNM fused", "| torch Adam-AMSGrad fused", "| torch Adam-AMSGrad foreach"]
     assert all(float(r.split(" | ")[1].rstrip(" |")) > 0 for r in rows[1:])
     assert not dist.is_initialized()
+
+
+@requires_extension
+def test_chunk_sweep_times_each_chunk_size_against_the_shipped_one_and_puts_it_back(tmp_path):
+    """On the test device (gpu_check.sh runs it on CUDA; on a CPU it only checks the script):
+    a row per set, dtype and optimizer, a time for each chunk size and the shipped one for the
+    dtype as the ratios' baseline; the shipped chunking is in force again afterwards."""
+    import chunk_sweep
+    from pnm_kernels._ops import cuda_chunk_size
+
+    blocks = lambda: len(torch.ops.pnm_kernels._launch_plan([1 << 16], 4)) // 3  # noqa: E731
+    chunk_sweep.main(["--device", DEVICE, "--sets", "flat1M", "--dtypes", "float32,bfloat16",
+                      "--chunks", "8192", "--rounds", "1", "--steps", "1", "--out", str(tmp_path)])
+    assert blocks() == (1 << 16) // cuda_chunk_size(torch.float32)
+    rows = json.loads((tmp_path / "chunk_sweep.json").read_text())["rows"]
+    assert [(r["dtype"], r["optimizer"]) for r in rows] == [
+        ("float32", "PNM"), ("float32", "AdaPNM"), ("bfloat16", "PNM"), ("bfloat16", "AdaPNM")]
+    for r in rows:
+        shipped = str(cuda_chunk_size(getattr(torch, r["dtype"])))
+        assert r["vs_shipped"][shipped] == 1.0
+        assert {"8192", "4096", "16384"} <= set(r["ms"]) and all(v > 0 for v in r["ms"].values())
+    assert "| flat1M | bfloat16 | AdaPNM |" in (tmp_path / "chunk_sweep.md").read_text()

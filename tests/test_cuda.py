@@ -150,14 +150,12 @@ def test_large_set_on_gpu_matches_reference(backend):
 def test_fsdp2_cpu_offload_steps_on_the_cpu_and_matches_gpu_training(name):
     """ZeRO-Offload style: parameters sharded and offloaded to pinned CPU memory, the step in
     the fused CPU kernel; the result matches plain GPU training."""
-    import os
-
     import torch.distributed as dist
     from torch.distributed.fsdp import CPUOffloadPolicy, fully_shard
 
-    os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", "29655")
-    dist.init_process_group("nccl", rank=0, world_size=1)
+    # One rank, an in-process store: no TCP port for two test workers to fight over (GPU run
+    # 13 failed once with EADDRINUSE when both parametrizations ran at the same time).
+    dist.init_process_group("nccl", store=dist.HashStore(), rank=0, world_size=1)
     try:
         torch.manual_seed(0)
         plain = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 8)).cuda()
