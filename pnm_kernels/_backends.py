@@ -270,6 +270,8 @@ RUNNERS = {"reference": run_reference, "foreach": run_foreach, "fused": run_fuse
            "triton": run_triton}
 # Backends whose kernels need every tensor dense and laid out like its parameter.
 FLAT_BACKENDS = ("fused", "triton")
+
+
 def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
     error = extension_error()
     if error is not None:
@@ -308,8 +310,9 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optio
 # chunks took the Triton step's time within 0.5 % on every fp32 set from 2^26 elements, PNM and
 # AdaPNM, and less below (16-bit: less or the same everywhere). With 16,384-element chunks the
 # Triton PNM step had taken 2-4 % less from 2^26 elements, and "auto" took it there (runs 7-11).
-# The fused step also spends less host time a step (0.05-0.08 ms against 0.10-0.16), repeats
-# where a parameter with state lacks a gradient, and runs inside any CUDA-graph capture.
+# The fused step also spends less host time a step (run 11, from 2^26 elements: 0.05-0.13 ms
+# against 0.09-0.17), repeats where a parameter with state lacks a gradient, and runs inside
+# any CUDA-graph capture.
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
     as measured (see above). Raises RuntimeError/ValueError saying why a requested backend
@@ -322,7 +325,7 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) ->
         reason = fused_unavailable_reason(device, dtype)
     elif requested == "triton":
         reason = triton_unavailable_reason(device, dtype)
-    else:  # auto: see _AUTO
+    else:  # auto: see above
         if fused_unavailable_reason(device, dtype) is None:
             return "fused"
         if device.type == "cuda" and triton_unavailable_reason(device, dtype) is None:
