@@ -24,7 +24,10 @@ constexpr int kBlockSize = 512;
 // (benchmarks/results/gpu-h200-2026-11-26-run12), every fp32 step of 16M-1.2G elements took
 // 0.9-2.9 % less time with 4,096 than with 16,384 (which had taken 1.4-10 % less than 65,536,
 // run 9); bf16 AdaPNM took 7-35 % more with 4,096 and up to 6.5 % more with 8,192, bf16 PNM
-// within 2.2 % either way: 16-bit types keep 16,384. Must equal pnm_kernels._ops.cuda_chunk_size.
+// within 2.2 % either way: 16-bit types keep 16,384 (a likely cause, not measured apart: every
+// thread computes its tensor's constants, AdaPNM's with two double pows, and a small chunk of a
+// 2-byte type gives that work few bytes to hide behind). Must equal
+// pnm_kernels._ops.cuda_chunk_size.
 constexpr int64_t default_chunk_size(size_t element_size) {
   return element_size >= 4 ? 4096 : 16384;
 }
