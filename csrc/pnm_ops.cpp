@@ -660,9 +660,10 @@ std::vector<std::string> cpu_isas() {
 
 // Some tensors of a list, borrowed: a list for a call, without a reference-count increment
 // and decrement for each tensor. A step where some held parameters lack a gradient takes the
-// others from six lists; copied, 2,000 tensors with 10 % of gradients missing took 0.89 ms a
-// fused CPU step against 0.71 with none (benchmarks/missing_grads.py), in atomic reference
-// counting. The list it borrows from must outlive it (StepLists holds its lists).
+// others from six lists: copied, the host time of a 2,000-tensor AdaPNM step with 10 % of its
+// gradients missing was 0.48-0.52 ms, borrowed 0.36-0.39 (0.34-0.38 with none missing;
+// benchmarks/results/missing_grads.md). The list it borrows from must outlive it (StepLists
+// holds its lists).
 class BorrowedSubset {
  public:
   BorrowedSubset(const std::vector<at::Tensor>& list, const std::vector<int64_t>& at) {
