@@ -827,7 +827,7 @@ class _PositiveNegativeMomentum(Optimizer):
                     return
                 lists, outside = batch.memo.get("step_lists"), ()
                 if not every_param_stepped:
-                    if item.backend != "fused" and self._lacking_grads_with_state(group):
+                    if item.backend == "triton" and self._lacking_grads_with_state(group):
                         return  # Triton cannot skip them (_lists_with_state would refuse)
                     lists, outside = self._lists_with_state(group, item, lists, kinds)
                 if lists is None:
@@ -943,7 +943,7 @@ class _PositiveNegativeMomentum(Optimizer):
                 extra = per_device[batch.device] = _held_step_extras(batch.device, grad_scale,
                                                                      found_inf)
             try:
-                if batch.backend != "fused":
+                if batch.backend == "triton":
                     launches[i](*extra[2:])
                     continue
                 done = _backends.run_fused_own_grads(

@@ -5,9 +5,7 @@ import pytest
 import torch
 
 from conftest import (DEVICE, FAST_PATHS, HAS_CUDA, OPTIMIZERS, assert_states_close,
-                      clone_params, grads_for_step, make_params, train, with_reference)
-from pnm_kernels import PNM
-from pnm_kernels._ops import extension_error
+                      clone_params, make_params, train, with_reference)
 
 B1 = 0.9
 B0_VALUES = [1.0, 0.0, -B1 / (1 + B1), 3.0]
