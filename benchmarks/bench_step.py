@@ -1,6 +1,7 @@
 """Optimizer step throughput: PNM/AdaPNM on every available backend against torch.optim.
 
-    python benchmarks/bench_step.py [--device cpu|cuda] [--quick] [--dtype float32|bfloat16]
+    python benchmarks/bench_step.py [--device cpu|cuda] [--quick]
+                                    [--dtype float32|bfloat16|float16|float64]
                                     [--sets transformer,small2000,...] [--out DIR]
 
 Every contender runs in this one process, interleaved round by round, warm-up excluded; the
@@ -28,6 +29,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import pnm_kernels  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size  # noqa: E402
+from pnm_kernels._backends import TRITON_DTYPES  # noqa: E402
 from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 
 # Bytes per element per step (fp32; scaled by the element size for other dtypes).
@@ -100,12 +102,14 @@ DEFAULT_SETS = {"cpu": ["tiny2000", "small2000", "resnet50", "transformer", "fla
 QUICK_SETS = {"cpu": ["small2000", "transformer"], "cuda": ["small2000", "transformer", "flat64M"]}
 
 
-def contenders(device):
+def contenders(device, dtype=torch.float32):
     """(label, family, factory(params)) for every optimizer compared."""
     out = []
     for backend in available_backends(device):
         if backend == "triton" and device == "cpu":
             continue  # the Triton interpreter is a correctness tool, not a contender
+        if backend == "triton" and dtype not in TRITON_DTYPES:
+            continue
         out.append((f"PNM[{backend}]", "PNM",
                     lambda ps, b=backend: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b)))
         out.append((f"AdaPNM[{backend}]", "AdaPNM",
@@ -234,7 +238,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         return [dict(set=name, label="(all)", family="-", numel=numel, tensors=len(shapes),
                      error="skipped: does not fit in this device's memory")]
     entries = []
-    for label, family, factory in contenders(device):
+    for label, family, factory in contenders(device, dtype):
         if label.endswith("[reference]") and (numel > (64 << 20) or
                                               (device == "cuda" and len(shapes) > 200)):
             continue  # the eager per-parameter loop here only measures the host (and takes long)
@@ -433,7 +437,8 @@ def main(argv=None):
     parser.add_argument("--device", choices=["cpu", "cuda"],
                         default="cuda" if torch.cuda.is_available() else "cpu")
     parser.add_argument("--quick", action="store_true", help="a short run (under a minute on CPU)")
-    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default="float32")
+    parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
+                        default="float32")
     parser.add_argument("--sets", help=f"comma-separated, from {', '.join(SETS)}")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
     parser.add_argument("--rounds", type=int, help="timed rounds per contender")

@@ -42,7 +42,8 @@ template <bool kDecoupled>
 struct PnmAlgo {
   static constexpr int kLists = 4;
   static constexpr bool kAdaptive = false;
-  PNM_HOST_DEVICE static void apply(float* e, const Coeffs& c) {
+  template <typename C>
+  PNM_HOST_DEVICE static void apply(C* e, const Coeffs<C>& c) {
     pnm_element<kDecoupled>(e[0], e[1], e[2], e[3], c);
   }
 };
@@ -51,7 +52,8 @@ template <bool kDecoupled, bool kAmsgrad>
 struct AdaPnmAlgo {
   static constexpr int kLists = kAmsgrad ? 6 : 5;
   static constexpr bool kAdaptive = true;
-  PNM_HOST_DEVICE static void apply(float* e, const Coeffs& c) {
+  template <typename C>
+  PNM_HOST_DEVICE static void apply(C* e, const Coeffs<C>& c) {
     // Without AMSGrad, v_max is never touched; e[kLists - 1] only fills the slot.
     adapnm_element<kDecoupled, kAmsgrad>(e[0], e[1], e[2], e[3], e[4], e[kLists - 1], c);
   }
@@ -137,12 +139,13 @@ struct alignas(sizeof(T) * N) Pack {
   T v[N];
 };
 
-// Storage to fp32. bf16 is widened by a shift, which is what c10's conversion computes, but
-// on the GPU c10 goes through __bfloat162float on the element's address, and that took
-// bf16 AdaPNM-AMSGrad from 63 to 104 registers a thread (one block per SM instead of two).
+// Storage to its arithmetic type (fp32; fp64 for fp64). bf16 is widened by a shift, which is
+// what c10's conversion computes, but on the GPU c10 goes through __bfloat162float on the
+// element's address, and that took bf16 AdaPNM-AMSGrad from 63 to 104 registers a thread (one
+// block per SM instead of two).
 template <typename T>
-PNM_HOST_DEVICE float widen(T v) {
-  return static_cast<float>(v);
+PNM_HOST_DEVICE opmath_t<T> widen(T v) {
+  return static_cast<opmath_t<T>>(v);
 }
 
 template <>
@@ -162,6 +165,7 @@ PNM_HOST_DEVICE bool step_skipped(const float* found_inf) {
 template <typename T, class Algo>
 PNM_HOST_DEVICE void step_block(const LaunchTable<Algo::kLists>& tab, const StepArgs& args,
                                 int block, int thread, int block_dim) {
+  using C = opmath_t<T>;
   constexpr int L = Algo::kLists;
   constexpr int kVec = kVecBytes / sizeof(T);
   if (step_skipped(args.found_inf)) return;
@@ -175,8 +179,8 @@ PNM_HOST_DEVICE void step_block(const LaunchTable<Algo::kLists>& tab, const Step
   const double step = static_cast<double>(*tab.steps[slot]) + 1.0;
   const bool odd = (static_cast<int64_t>(step) & 1) != 0;
   const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
-  const Coeffs c = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
-  const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
+  const Coeffs<C> c = make_coeffs<C>(args.hyper, lr, step, Algo::kAdaptive);
+  const C gf = grad_factor<C>(args.hyper.maximize, args.grad_scale);
 
   T* ptr[L];
   bool aligned = true;
@@ -203,7 +207,7 @@ PNM_UNROLL
       for (int l = 0; l < L; ++l) pack[l] = reinterpret_cast<const Pack<T, kVec>*>(ptr[l])[v];
 PNM_UNROLL
       for (int j = 0; j < kVec; ++j) {
-        float e[L];
+        C e[L];
 PNM_UNROLL
         for (int l = 0; l < L; ++l) e[l] = widen(pack[l].v[j]);
         e[1] *= gf;
@@ -222,7 +226,7 @@ PNM_UNROLL
   }
   // Masked path: the tail of an aligned chunk, or a whole chunk with a misaligned tensor.
   for (int64_t i = scalar_begin + thread; i < n; i += block_dim) {
-    float e[L];
+    C e[L];
 PNM_UNROLL
     for (int l = 0; l < L; ++l) e[l] = widen(ptr[l][i]);
     e[1] *= gf;

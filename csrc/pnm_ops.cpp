@@ -82,9 +82,10 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
   const at::ScalarType dtype = first.scalar_type();
   TORCH_CHECK(device.type() == device_type, "pnm_kernels: this kernel takes ",
               c10::DeviceTypeName(device_type), " tensors, but params[0] is on ", device);
-  TORCH_CHECK(dtype == at::kFloat || dtype == at::kHalf || dtype == at::kBFloat16,
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                  dtype == at::kBFloat16,
               "pnm_kernels: params[0] has dtype ", dtype,
-              "; the fused kernels take float32, float16 and bfloat16");
+              "; the fused kernels take float32, float64, float16 and bfloat16");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = call.lists[0][i];
     for (int l = 0; l < call.num_lists; ++l) {
@@ -231,15 +232,16 @@ namespace {
 
 // ---------------------------------------------------------------------------------------
 // Fused CPU kernel: one pass over memory, the elements of all tensors split evenly between
-// threads with at::parallel_for; fp32 loops are written for the compiler's auto-vectoriser
-// (restrict pointers, no branches), fp32 and bf16 in place, fp16 through small fp32 tiles.
+// threads with at::parallel_for; the loops are written for the compiler's auto-vectoriser
+// (restrict pointers, no branches), fp32, fp64 and bf16 in place, fp16 through small fp32
+// tiles.
 
 constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 constexpr int64_t kCpuTile = 512;
 
-// Element access in fp32 for the storage types the loops run on directly: fp32, and bf16
-// (a shift in, round-to-nearest-even out), both of which the compiler vectorises. fp16 goes
-// through fp32 tiles instead (see cpu_range_body).
+// Element access in the arithmetic type for the storage types the loops run on directly:
+// fp32 and fp64 as they are, bf16 in fp32 (a shift in, round-to-nearest-even out), all of
+// which the compiler vectorises. fp16 goes through fp32 tiles instead (see cpu_range_body).
 #define PNM_CPU_INLINE inline __attribute__((always_inline))
 
 // std::bit_cast, which the C++17 that older torch builds extensions with lacks.
@@ -253,6 +255,8 @@ PNM_CPU_INLINE To bit_cast(From v) {
 
 PNM_CPU_INLINE float load(const float* a, int64_t i) { return a[i]; }
 PNM_CPU_INLINE void store(float* a, int64_t i, float v) { a[i] = v; }
+PNM_CPU_INLINE double load(const double* a, int64_t i) { return a[i]; }
+PNM_CPU_INLINE void store(double* a, int64_t i, double v) { a[i] = v; }
 
 PNM_CPU_INLINE float load(const c10::BFloat16* a, int64_t i) {
   return bit_cast<float>(static_cast<uint32_t>(a[i].x) << 16);
@@ -267,15 +271,15 @@ PNM_CPU_INLINE void store(c10::BFloat16* a, int64_t i, float v) {
 
 // The loops take a local copy of the coefficients: through a reference GCC cannot rule out
 // aliasing with the arrays, and does not vectorise the AdaPNM loop.
-template <bool kDecoupled, typename S>
+template <bool kDecoupled, typename S, typename C>
 PNM_CPU_INLINE void cpu_loop_body(PnmAlgo<kDecoupled>, S* const* x, int64_t n,
-                                  const Coeffs coeffs, float gf) {
+                                  const Coeffs<C> coeffs, C gf) {
   S* __restrict__ p = x[0];
   const S* __restrict__ g = x[1];
   S* __restrict__ m = x[2];
   const S* __restrict__ m_other = x[3];
   for (int64_t i = 0; i < n; ++i) {
-    float pi = load(p, i), mi = load(m, i);
+    C pi = load(p, i), mi = load(m, i);
     pnm_element<kDecoupled>(pi, load(g, i) * gf, mi, load(m_other, i), coeffs);
     store(p, i, pi);
     store(m, i, mi);
@@ -283,14 +287,14 @@ PNM_CPU_INLINE void cpu_loop_body(PnmAlgo<kDecoupled>, S* const* x, int64_t n,
 }
 
 // Arrays as restrict parameters: taken from x[] inside, GCC does not vectorise six of them.
-template <bool kDecoupled, bool kAmsgrad, typename S>
+template <bool kDecoupled, bool kAmsgrad, typename S, typename C>
 PNM_CPU_INLINE void adapnm_loop(S* __restrict__ p, const S* __restrict__ g, S* __restrict__ m,
                                 const S* __restrict__ m_other, S* __restrict__ v,
-                                S* __restrict__ v_max, int64_t n, const Coeffs coeffs,
-                                float gf) {
+                                S* __restrict__ v_max, int64_t n, const Coeffs<C> coeffs,
+                                C gf) {
   for (int64_t i = 0; i < n; ++i) {
-    float pi = load(p, i), mi = load(m, i), vi = load(v, i);
-    float vmi = kAmsgrad ? load(v_max, i) : 0.0f;
+    C pi = load(p, i), mi = load(m, i), vi = load(v, i);
+    C vmi = kAmsgrad ? load(v_max, i) : C(0);
     adapnm_element<kDecoupled, kAmsgrad>(pi, load(g, i) * gf, mi, load(m_other, i), vi, vmi,
                                          coeffs);
     store(p, i, pi);
@@ -300,9 +304,9 @@ PNM_CPU_INLINE void adapnm_loop(S* __restrict__ p, const S* __restrict__ g, S* _
   }
 }
 
-template <bool kDecoupled, bool kAmsgrad, typename S>
+template <bool kDecoupled, bool kAmsgrad, typename S, typename C>
 PNM_CPU_INLINE void cpu_loop_body(AdaPnmAlgo<kDecoupled, kAmsgrad>, S* const* x, int64_t n,
-                                  const Coeffs coeffs, float gf) {
+                                  const Coeffs<C> coeffs, C gf) {
   adapnm_loop<kDecoupled, kAmsgrad>(x[0], x[1], x[2], x[3], x[4], kAmsgrad ? x[5] : nullptr, n,
                                     coeffs, gf);
 }
@@ -310,7 +314,7 @@ PNM_CPU_INLINE void cpu_loop_body(AdaPnmAlgo<kDecoupled, kAmsgrad>, S* const* x,
 template <typename T, class Algo>
 struct CpuTensorWork {
   T* ptr[Algo::kLists];  // parity already applied: ptr[2] is this step's buffer
-  Coeffs coeffs;
+  Coeffs<opmath_t<T>> coeffs;
 };
 
 // The instruction sets the range loop is compiled for (see cpu_range).
@@ -391,10 +395,11 @@ PNM_CPU_INLINE void tile_out(const float* src, c10::Half* dst, int64_t n) {
   from_float(src, dst, n);
 }
 
-// One range of one tensor. fp32 and bf16 run the loop in place; fp16 goes through fp32 tiles.
+// One range of one tensor. fp32, fp64 and bf16 run the loop in place; fp16 goes through fp32
+// tiles.
 template <typename T, class Algo, CpuIsa kIsa>
 PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end,
-                                   float gf) {
+                                   opmath_t<T> gf) {
   constexpr int L = Algo::kLists;
   if constexpr (!std::is_same_v<T, c10::Half>) {
     T* x[L];
@@ -421,20 +426,22 @@ PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begi
 // passes -ffp-contract=off; AVX-512 targets would contract otherwise): the CPU kernel stays
 // bitwise equal to the emulated CUDA path, whose tests compare the two on every ISA.
 template <typename T, class Algo>
-void cpu_range_baseline(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+void cpu_range_baseline(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end,
+                        opmath_t<T> gf) {
   cpu_range_body<T, Algo, CpuIsa::kBaseline>(w, begin, end, gf);
 }
 
 #ifdef PNM_X86_AVX2
 template <typename T, class Algo>
 __attribute__((target("avx2,f16c"))) void cpu_range_avx2(const CpuTensorWork<T, Algo>& w,
-                                                          int64_t begin, int64_t end, float gf) {
+                                                          int64_t begin, int64_t end,
+                                                          opmath_t<T> gf) {
   cpu_range_body<T, Algo, CpuIsa::kAvx2>(w, begin, end, gf);
 }
 
 template <typename T, class Algo>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) void cpu_range_avx512(
-    const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+    const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, opmath_t<T> gf) {
   cpu_range_body<T, Algo, CpuIsa::kAvx512>(w, begin, end, gf);
 }
 #endif
@@ -466,7 +473,7 @@ CpuIsa& active_cpu_isa() {
 }
 
 template <typename T, class Algo>
-void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, float gf) {
+void cpu_range(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, opmath_t<T> gf) {
 #ifdef PNM_X86_AVX2
   switch (active_cpu_isa()) {
     case CpuIsa::kAvx512: return cpu_range_avx512<T, Algo>(w, begin, end, gf);
@@ -482,11 +489,12 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   if (step_skipped(args.found_inf)) return;
   const int64_t n = call.size();
   const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
-  const float gf = grad_factor(args.hyper.maximize, args.grad_scale);
+  using C = opmath_t<T>;
+  const C gf = grad_factor<C>(args.hyper.maximize, args.grad_scale);
   std::vector<CpuTensorWork<T, Algo>> work(n);
   std::vector<int64_t> offsets(n + 1, 0);  // tensor i: elements [offsets[i], offsets[i + 1])
   double coeffs_step = -1.0;  // tensors mostly share a step count: compute its pow()s once
-  Coeffs coeffs{};
+  Coeffs<C> coeffs{};
   for (int64_t i = 0; i < n; ++i) {
     // Types were checked with the call: the untyped pointers skip a check per tensor.
     const double step = static_cast<double>(*static_cast<float*>(call.steps[i].data_ptr())) + 1.0;
@@ -495,7 +503,7 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
     }
     if ((static_cast<int64_t>(step) & 1) == 0) std::swap(work[i].ptr[2], work[i].ptr[3]);
     if (step != coeffs_step) {
-      coeffs = make_coeffs(args.hyper, lr, step, Algo::kAdaptive);
+      coeffs = make_coeffs<C>(args.hyper, lr, step, Algo::kAdaptive);
       coeffs_step = step;
     }
     work[i].coeffs = coeffs;

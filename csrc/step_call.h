@@ -96,6 +96,7 @@ void dispatch_step(const StepCall& call, F&& f) {
   };
   switch (call.lists[0][0].scalar_type()) {
     case at::kFloat: by_mode(Tag<float>{}); break;
+    case at::kDouble: by_mode(Tag<double>{}); break;
     case at::kHalf: by_mode(Tag<c10::Half>{}); break;
     case at::kBFloat16: by_mode(Tag<c10::BFloat16>{}); break;
     default: TORCH_CHECK(false, "pnm_kernels: unsupported dtype ", call.lists[0][0].scalar_type());

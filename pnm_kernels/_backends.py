@@ -15,8 +15,9 @@ EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
 PNM_BUFFERS = ("pos_momentum", "neg_momentum")
 ADAPNM_BUFFERS = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-KERNEL_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-REFERENCE_DTYPES = KERNEL_DTYPES + (torch.float64,)
+TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+FUSED_DTYPES = TRITON_DTYPES + (torch.float64,)
+REFERENCE_DTYPES = FUSED_DTYPES
 
 
 @dataclass
@@ -104,8 +105,8 @@ def _run_traced(adaptive, batch, hp, grad_scale):
     """The foreach backend's maths as torch.compile traces it, without a graph break: each
     tensor's parity and bias corrections come from its step counter on the device (a
     torch.where between the buffers), not from the host. It serves what runs neither fused
-    nor Triton under torch.compile: float64 parameters ("auto"), backend="foreach", and
-    Triton batches of an install without the extension. Both buffers are rewritten (one with
+    nor Triton under torch.compile: backend="foreach", float64 parameters without the
+    extension, and Triton batches of an install without it. Both buffers are rewritten (one with
     its own values), which inductor fuses into the step's one pass. With found_inf (AMP) the
     eager path runs instead, reading it on the host."""
     lr, beta1, beta0 = hp["lr"], hp["beta1"], hp["beta0"]
@@ -276,8 +277,8 @@ def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Option
     error = extension_error()
     if error is not None:
         return f"the compiled extension pnm_kernels._C could not be loaded ({error})"
-    if dtype not in KERNEL_DTYPES:
-        return f"the fused kernels take float32, float16 and bfloat16, not {dtype}"
+    if dtype not in FUSED_DTYPES:
+        return f"the fused kernels take float32, float64, float16 and bfloat16, not {dtype}"
     if device.type == "cpu":
         return None
     if device.type == "cuda":
@@ -289,7 +290,7 @@ def fused_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Option
 
 
 def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
-    if dtype not in KERNEL_DTYPES:
+    if dtype not in TRITON_DTYPES:
         return f"the Triton kernels take float32, float16 and bfloat16, not {dtype}"
     try:
         import triton  # noqa: F401
@@ -303,9 +304,10 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optio
             f"not on {device.type} tensors")
 
 
-# "auto": the fused kernels wherever they run (float32, float16 and bfloat16 on CPU and CUDA),
-# else on CUDA the Triton step (an install without the extension's CUDA kernels), else foreach
-# ops (float64, other devices). On an H200, side by side in one process
+# "auto": the fused kernels wherever they run (float32, float64, float16 and bfloat16 on CPU
+# and CUDA), else on CUDA the Triton step (an install without the extension's CUDA kernels;
+# not float64), else foreach ops (other devices, an install without the extension). On an
+# H200, side by side in one process
 # (benchmarks/results/gpu-h200-2026-11-26-run12), the fused step with its 4,096-element fp32
 # chunks took the Triton step's time within 0.5 % on every fp32 set from 2^26 elements, PNM and
 # AdaPNM, and less below (16-bit: less or the same everywhere). With 16,384-element chunks the

@@ -213,11 +213,12 @@ def _step_beside(step, ref, params, ref_params, steps):
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_float64_parameters_compile_into_one_graph_and_step_as_the_reference(name, backend,
                                                                             decoupled):
-    """float64 parameters run no kernel ("auto" gives them foreach ops); traced, those take
-    each tensor's parity and bias corrections from its step counter on the device, so
-    torch.compile(fullgraph=True) takes the step (a host read of the counters refused it),
-    compiles it once for every step, and it agrees with the reference over both parities,
-    state included. (A Triton-only install's batches trace the same way.)"""
+    """float64 parameters, on the fused kernels' float64 build ("auto") or on foreach ops:
+    traced, the foreach ops take each tensor's parity and bias corrections from its step
+    counter on the device, so torch.compile(fullgraph=True) takes the step (a host read of
+    the counters refused it), compiles it once for every step, and it agrees with the
+    reference over both parities, state included. (A Triton-only install's batches trace
+    the same way.)"""
     torch._dynamo.reset()
     extra = dict(amsgrad=True) if name == "AdaPNM" else {}
     params = [torch.randn(s, dtype=torch.float64, device=DEVICE, requires_grad=True)
@@ -234,12 +235,13 @@ def test_float64_parameters_compile_into_one_graph_and_step_as_the_reference(nam
 
 
 def test_float64_adapnm_compiled_by_inductor_steps_as_the_reference():
-    """The same through inductor's generated code (the test above traces only)."""
+    """The foreach ops' traced maths through inductor's generated code (the test above
+    traces only)."""
     torch._dynamo.reset()
     params = [torch.randn(s, dtype=torch.float64, device=DEVICE, requires_grad=True)
               for s in (33, (4, 3))]
     ref_params = [p.detach().clone().requires_grad_() for p in params]
-    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, weight_decay=0.1)
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, weight_decay=0.1, backend="foreach")
     ref = OPTIMIZERS["AdaPNM"](ref_params, lr=1e-2, weight_decay=0.1, backend="reference")
     step = torch.compile(opt.step, fullgraph=True)
     _step_beside(step, ref, params, ref_params, steps=3)

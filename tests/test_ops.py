@@ -98,8 +98,8 @@ BAD_CALLS = [
      r"grads\[1\] must be dense"),
     ("step dtype", lambda a: a[4].__setitem__(0, torch.tensor(1, dtype=torch.int64)),
      r"steps\[0\] must be a float32"),
-    ("param dtype", lambda a: a.__setitem__(0, [t.double() for t in a[0]]),
-     "params\\[0\\] has dtype Double"),
+    ("param dtype", lambda a: a.__setitem__(0, [t.to(torch.float8_e4m3fn) for t in a[0]]),
+     "params\\[0\\] has dtype Float8_e4m3fn"),
 ]
 
 
@@ -143,7 +143,7 @@ def test_the_extension_carries_no_copy_of_the_cpp_runtime():
 @pytest.mark.parametrize("limits", [(64, 1, 1), (64, 2, 3), (128, 400, 2), (64, 0, 0), (0, 0, 0)],
                          ids=["one-block-launches", "small-tables", "split-tensor",
                               "small-chunks-one-table", "defaults"])
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(limits, dtype,
                                                                                 counters):
     """Many tensors per launch, tensors cut across launches, vector and masked paths: the
@@ -308,7 +308,7 @@ def test_aten_cpu_capability_caps_the_cpu_kernel_as_it_caps_torch(capability, is
     assert out.strip() == isa
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("algo", ["pnm", "pnm-l2", "adapnm", "adapnm-decoupled-no-amsgrad"])
 def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(each_cpu_isa, algo, dtype):
     """The fused CPU kernel is compiled for SSE2, AVX2 and AVX-512 and picks one at run time.

@@ -937,8 +937,8 @@ def test_state_follows_a_parameter_given_new_dtype_or_layout(path, name, change,
 
 @BOTH
 def test_auto_picks_again_when_every_parameter_moves_to_another_dtype(name):
-    """model.double() mid-run: the fused kernels take no float64, so "auto" hands the
-    parameters to the foreach backend, their state following them to float64."""
+    """model.double() mid-run: "auto" plans the parameters' steps again (the fused kernels'
+    float64 build where there is one), their state following them to float64."""
     opt, params, ref, ref_params = with_reference(name, "auto", [(5,), (3, 2)])
     for o, ps in ((opt, params), (ref, ref_params)):
         train(o, ps, 3)
@@ -1094,7 +1094,7 @@ def test_amsgrad_switched_on_mid_run_creates_its_buffer():
 def test_auto_backend_picks_fused_on_cpu_when_built():
     expected = "fused" if "fused" in available_backends("cpu") else "foreach"
     assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float32) == expected
-    assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float64) == "foreach"
+    assert _backends.resolve_backend("auto", torch.device("cpu"), torch.float64) == expected
 
 
 # --- bad input: a clear error, and nothing touched --------------------------------------
@@ -1224,13 +1224,21 @@ def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, 
             assert torch.equal(after["state"][k][key], value)
 
 
-def test_unsupported_dtype_for_a_kernel_backend_names_the_parameter():
-    p = torch.zeros(3, dtype=torch.float64, requires_grad=True)
-    opt = PNM([p], backend="fused")
-    p.grad = torch.ones(3, dtype=torch.float64)
-    with pytest.raises(RuntimeError, match=r"params'\]\[0\].*float64"):
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_unsupported_dtype_for_a_kernel_backend_names_the_parameter(backend):
+    """float64 has fused kernels but no Triton ones; float8 has neither (nor any backend)."""
+    for dtype in [torch.float64, torch.float8_e4m3fn] if backend == "triton" else [torch.float8_e4m3fn]:
+        p = torch.zeros(3, dtype=dtype, requires_grad=True)
+        opt = PNM([p], backend=backend)
+        p.grad = torch.ones(3).to(dtype)
+        with pytest.raises(RuntimeError, match=rf"params'\]\[0\].*{dtype}.*unavailable"):
+            opt.step()
+        assert not opt.state
+    p = torch.zeros(3, dtype=torch.float8_e4m3fn, requires_grad=True)
+    opt = PNM([p])
+    p.grad = torch.ones(3).to(p.dtype)
+    with pytest.raises(ValueError, match=r"params'\]\[0\].*unsupported parameter dtype"):
         opt.step()
-    assert not opt.state
 
 
 def test_unavailable_backend_says_why(monkeypatch):
