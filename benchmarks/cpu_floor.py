@@ -69,22 +69,29 @@ def main(argv=None):
 
     with tempfile.TemporaryDirectory() as workdir:
         loops = build_loops(workdir)
-        p, g, m, m_other, v, v_max = (array() for _ in range(6))
-        ptr = [ctypes.c_void_p(t.data_ptr()) for t in (p, g, m, m_other, v, v_max)]
+        # Each bare loop has arrays of its own, as each fused step has its own tensors: with
+        # shared ones, a --numel small enough to fit the last-level cache left one loop's
+        # arrays cached for the next, and the bare loops were no floor.
+        held = []
+
+        def arrays(count):
+            held.extend(array() for _ in range(count))
+            return [ctypes.c_void_p(t.data_ptr()) for t in held[-count:]]
+
         count = ctypes.c_long(n)
+        sgd_arrays, pnm_arrays, adam_arrays, adapnm_arrays = (arrays(k) for k in (3, 4, 5, 6))
         # (family, label, step): a bare loop and the fused steps of the same family.
         contenders = [
-            ("SGD-momentum", "bare loop", lambda: loops.sgd_momentum(*ptr[:3], count)),
+            ("SGD-momentum", "bare loop", lambda: loops.sgd_momentum(*sgd_arrays, count)),
             ("SGD-momentum", "torch fused", fused(
                 lambda ps: torch.optim.SGD(ps, lr=1e-3, momentum=0.9, fused=True))),
-            ("PNM", "bare loop", lambda: loops.pnm(*ptr[:4], count)),
+            ("PNM", "bare loop", lambda: loops.pnm(*pnm_arrays, count)),
             ("PNM", "pnm_kernels fused", fused(
                 lambda ps: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend="fused"))),
-            ("Adam-amsgrad", "bare loop", lambda: loops.adam_amsgrad(
-                ptr[0], ptr[1], ptr[2], ptr[4], ptr[5], count)),
+            ("Adam-amsgrad", "bare loop", lambda: loops.adam_amsgrad(*adam_arrays, count)),
             ("Adam-amsgrad", "torch fused", fused(
                 lambda ps: torch.optim.Adam(ps, lr=1e-3, amsgrad=True, fused=True))),
-            ("AdaPNM", "bare loop", lambda: loops.adapnm_amsgrad(*ptr, count)),
+            ("AdaPNM", "bare loop", lambda: loops.adapnm_amsgrad(*adapnm_arrays, count)),
             ("AdaPNM", "pnm_kernels fused", fused(
                 lambda ps: AdaPNM(ps, lr=1e-3, amsgrad=True, backend="fused"))),
         ]
