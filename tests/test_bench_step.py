@@ -14,6 +14,7 @@ import bench_step  # noqa: E402
 from compiled_peer import CompiledAdaPNM, CompiledPNM  # noqa: E402
 from conftest import (DEVICE, OPTIMIZERS, clone_params, make_params, requires_extension,  # noqa: E402
                       train)
+from pnm_kernels import available_backends  # noqa: E402
 from pnm_kernels._ops import extension_error  # noqa: E402
 
 
@@ -105,6 +106,21 @@ def test_the_fused_chunk_can_be_set_for_a_run_and_is_put_back(tmp_path, monkeypa
     assert blocks(1 << 17) == 32
     with pytest.raises(SystemExit):
         bench_step.main(["--device", "cpu", "--sets", "flat1M", "--fused-chunk", "1000001"])
+
+
+def test_a_float64_run_times_the_fused_step_and_leaves_triton_out(tmp_path):
+    """--dtype float64: the fused kernels' fp64 build against torch's fp64 fused steps; the
+    Triton kernels take no float64, so no Triton contender is listed on any device."""
+    bench_step.main(["--quick", "--device", "cpu", "--dtype", "float64", "--sets", "flat1M",
+                     "--rounds", "1", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "bench_step-cpu-float64-quick.json").read_text())
+    rows = {r["label"]: r for r in record["results"]}
+    for name in ("PNM", "AdaPNM"):
+        assert rows[f"{name}[fused]"]["ms"] > 0
+    assert not [label for label in rows if "triton" in label]
+    labels = [label for label, _, _ in bench_step.contenders("cuda", torch.float64)]
+    assert "PNM[fused]" in labels or "fused" not in available_backends("cuda")
+    assert not [label for label in labels if "triton" in label]
 
 
 def test_unknown_set_is_refused():
