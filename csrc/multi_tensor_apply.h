@@ -26,8 +26,8 @@ constexpr int kBlockSize = 512;
 // run 9); bf16 AdaPNM took 7-35 % more with 4,096 and up to 6.5 % more with 8,192, bf16 PNM
 // within 2.2 % either way: 16-bit types keep 16,384 (a likely cause, not measured apart: every
 // thread computes its tensor's constants, AdaPNM's with two double pows, and a small chunk of a
-// 2-byte type gives that work few bytes to hide behind). Must equal
-// pnm_kernels._ops.cuda_chunk_size.
+// 2-byte type gives that work few bytes to hide behind). fp64 takes fp32's size, not timed on
+// a GPU yet. Must equal pnm_kernels._ops.cuda_chunk_size.
 constexpr int64_t default_chunk_size(size_t element_size) {
   return element_size >= 4 ? 4096 : 16384;
 }
