@@ -110,7 +110,14 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                 "pnm_kernels: steps[", i, "] must be a float32 tensor with one element on ",
                 device);
   }
-  check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*cpu_allowed=*/true);
+  // A float64 lr is read on the host in full (make_step_args), so it must be on the CPU.
+  if (call.lr_tensor.has_value() && call.lr_tensor->scalar_type() == at::kDouble) {
+    TORCH_CHECK(call.lr_tensor->numel() == 1 && call.lr_tensor->device().is_cpu(),
+                "pnm_kernels: a float64 lr_tensor must have one element and be on the CPU, got ",
+                call.lr_tensor->numel(), " elements on ", call.lr_tensor->device());
+  } else {
+    check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*cpu_allowed=*/true);
+  }
   check_scalar_tensor(call.grad_scale, "grad_scale", device, false);
   check_scalar_tensor(call.found_inf, "found_inf", device, false);
   if (call.blocks_done.has_value()) {
@@ -203,10 +210,13 @@ StepArgs make_step_args(const StepCall& call) {
   args.hyper = call.hyper;
   args.lr = call.lr;
   if (call.lr_tensor.has_value()) {
-    if (call.lr_tensor->device() == call.lists[0][0].device()) {
-      args.lr_ptr = call.lr_tensor->const_data_ptr<float>();
+    const at::Tensor& lr = *call.lr_tensor;
+    if (lr.scalar_type() == at::kDouble) {  // on the CPU (checked): read here, in full
+      args.lr = *lr.const_data_ptr<double>();
+    } else if (lr.device() == call.lists[0][0].device()) {
+      args.lr_ptr = lr.const_data_ptr<float>();
     } else {  // a CPU lr for device params: read it here, no synchronisation needed
-      args.lr = static_cast<double>(*call.lr_tensor->const_data_ptr<float>());
+      args.lr = static_cast<double>(*lr.const_data_ptr<float>());
     }
   }
   if (call.grad_scale.has_value()) args.grad_scale = call.grad_scale->const_data_ptr<float>();

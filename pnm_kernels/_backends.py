@@ -139,11 +139,15 @@ def _run_traced(adaptive, batch, hp, grad_scale):
         param.sub_(update / denom * step_size)
 
 
-def split_lr(lr, device):
+def split_lr(lr, device, keep_float64=False):
     """(float lr, lr tensor or None) as the kernels take them: a tensor lr stays a tensor,
-    on the params' device or on the CPU (read there without a device synchronisation)."""
+    on the params' device or on the CPU (read there without a device synchronisation), in
+    float32; with keep_float64 (the fused ops, which read a CPU lr on the host in full), a
+    float64 one on the CPU stays as it is, so float64 parameters get all its digits."""
     if not isinstance(lr, torch.Tensor):
         return float(lr), None
+    if keep_float64 and lr.dtype == torch.float64 and lr.device.type == "cpu":
+        return 0.0, lr
     if lr.device != device and lr.device.type != "cpu":
         lr = lr.to(device)
     return 0.0, lr.to(torch.float32)
@@ -183,7 +187,7 @@ def emulating(device) -> bool:
 
 def _held_step_args(adaptive, hp, emulate, device, grad_scale, found_inf):
     """The arguments of a StepLists step after its gradients, as the C++ methods take them."""
-    lr, lr_tensor = split_lr(hp["lr"], device)
+    lr, lr_tensor = split_lr(hp["lr"], device, keep_float64=True)
     if adaptive:
         return (emulate, lr, hp["beta1"], hp["beta2"], hp["beta0"], hp["eps"],
                 hp["weight_decay"], hp["amsgrad"], hp["decoupled"], hp["maximize"], lr_tensor,
@@ -223,7 +227,7 @@ def run_fused(adaptive, batch, hp, grad_scale, found_inf):
         (lists.adapnm_step if adaptive else lists.pnm_step)(batch.grads, *args)
         return
     emulate = emulating(device)
-    lr, lr_tensor = split_lr(hp["lr"], device)
+    lr, lr_tensor = split_lr(hp["lr"], device, keep_float64=True)
     ops = torch.ops.pnm_kernels
     common = dict(lr=lr, beta1=hp["beta1"], beta0=hp["beta0"], weight_decay=hp["weight_decay"],
                   decoupled=hp["decoupled"], maximize=hp["maximize"], lr_tensor=lr_tensor,

@@ -73,6 +73,24 @@ def test_float64_matches_the_reference_to_float64_precision(path, b0, name, opti
     assert_states_close(opt, params, ref, ref_params, rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "triton"], indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_float64_steps_take_a_float64_lr_tensor_in_full(path, name):
+    """An lr given as a float64 tensor (a scheduler's, a new value every step) reaches
+    float64 parameters with all its digits: within 1e-14 of the reference, as a float lr."""
+    params = make_params(shapes_for(path), dtype=torch.float64)
+    ref_params = clone_params(params)
+    lr = torch.tensor(1e-2, dtype=torch.float64)
+    opt = OPTIMIZERS[name](params, lr=lr, weight_decay=0.1, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=lr.clone(), weight_decay=0.1, backend="reference")
+    for t in range(12):
+        for o in (opt, ref):
+            o.param_groups[0]["lr"].fill_(1e-2 / 3 * (1 + t % 4))  # not a float32 value
+        train(opt, params, 1, start=t)
+        train(ref, ref_params, 1, start=t)
+    assert_states_close(opt, params, ref, ref_params, rtol=1e-14, atol=1e-14)
+
+
 @pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_maximize_and_misaligned_storage(path, name):

@@ -231,7 +231,7 @@ def test_float64_parameters_compile_into_one_graph_and_step_as_the_reference(nam
     step = torch.compile(opt.step, backend=counter, fullgraph=True)
     _step_beside(step, ref, params, ref_params, steps=7)
     assert counter.frame_count == 1
-    assert_states_close(opt, params, ref, ref_params)
+    assert_states_close(opt, params, ref, ref_params, rtol=1e-14, atol=1e-14)
 
 
 def test_float64_adapnm_compiled_by_inductor_steps_as_the_reference():
@@ -245,7 +245,7 @@ def test_float64_adapnm_compiled_by_inductor_steps_as_the_reference():
     ref = OPTIMIZERS["AdaPNM"](ref_params, lr=1e-2, weight_decay=0.1, backend="reference")
     step = torch.compile(opt.step, fullgraph=True)
     _step_beside(step, ref, params, ref_params, steps=3)
-    assert_states_close(opt, params, ref, ref_params)
+    assert_states_close(opt, params, ref, ref_params, rtol=1e-14, atol=1e-14)
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])

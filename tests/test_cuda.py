@@ -135,6 +135,23 @@ def test_a_blocks_done_counter_on_another_device_raises():
                                         maximize=False, blocks_done=torch.zeros(1, dtype=torch.int32))
 
 
+def test_a_float64_lr_on_the_gpu_is_refused_and_one_on_the_cpu_read_in_full():
+    """A float64 lr tensor is read on the host, so it must be on the CPU; there, float64
+    parameters on the GPU get all its digits (bitwise the step with a float lr)."""
+    def step(dtype, **kw):
+        z = lambda: [torch.zeros(5, dtype=dtype, device="cuda")]  # noqa: E731
+        p = [torch.ones(5, dtype=dtype, device="cuda")]
+        torch.ops.pnm_kernels.pnm_step_(p, [torch.ones(5, dtype=dtype, device="cuda")], z(), z(),
+                                        [torch.zeros((), device="cuda")], beta1=0.9, beta0=1.0,
+                                        weight_decay=0.0, decoupled=True, maximize=False, **kw)
+        return p[0]
+
+    with pytest.raises(RuntimeError, match="float64 lr_tensor .* be on the CPU"):
+        step(torch.float64, lr=0.0, lr_tensor=torch.tensor(0.1, dtype=torch.float64, device="cuda"))
+    assert torch.equal(step(torch.float64, lr=0.1),
+                       step(torch.float64, lr=0.0, lr_tensor=torch.tensor(0.1, dtype=torch.float64)))
+
+
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 def test_large_set_on_gpu_matches_reference(backend):
     params = make_params([(1 << 22,), (4097,), (3,)], device="cuda")

@@ -76,6 +76,31 @@ def test_found_inf_skips_everything_including_the_step_counter():
                 assert torch.equal(t, o)
 
 
+@pytest.mark.parametrize("op", ADA_OPS)
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
+    """A float64 CPU lr tensor is read on the host as it is: the step is bitwise the step
+    with the same lr as a float argument, which a float32 lr tensor rounds (an lr of 0.1 in
+    float32 is 0.1 + 1.5e-9). One of several elements is refused (one on a GPU too:
+    tests/test_cuda.py)."""
+    lr = 0.1
+    fn = getattr(torch.ops.pnm_kernels, op)
+    runs = {}
+    for how, kwargs in (
+            ("float", adapnm_kwargs(lr=lr)),
+            ("float64 tensor", adapnm_kwargs(lr=0.0, lr_tensor=torch.tensor(lr, dtype=torch.float64))),
+            ("float32 tensor", adapnm_kwargs(lr=0.0, lr_tensor=torch.tensor(lr)))):
+        args = adapnm_args(dtype=dtype)
+        fn(*args, **kwargs)
+        runs[how] = args[0]
+    assert all(torch.equal(a, b) for a, b in zip(runs["float"], runs["float64 tensor"]))
+    if dtype == torch.float64:
+        assert not all(torch.equal(a, b) for a, b in zip(runs["float"], runs["float32 tensor"]))
+    two = torch.tensor([lr, lr], dtype=torch.float64)
+    with pytest.raises(RuntimeError, match="float64 lr_tensor must have one element"):
+        fn(*adapnm_args(dtype=dtype), **adapnm_kwargs(lr_tensor=two))
+
+
 @pytest.mark.parametrize("op", OPS)
 def test_grad_scale_unscales_in_the_kernel(op):
     a, b = pnm_args(), pnm_args()
