@@ -15,9 +15,11 @@ EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
 PNM_BUFFERS = ("pos_momentum", "neg_momentum")
 ADAPNM_BUFFERS = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
+# Parameter dtypes (complex ones go in as real views): the reference and foreach ops and the
+# fused kernels take all four, the Triton kernels no float64.
+REFERENCE_DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+FUSED_DTYPES = REFERENCE_DTYPES
 TRITON_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
-FUSED_DTYPES = TRITON_DTYPES + (torch.float64,)
-REFERENCE_DTYPES = FUSED_DTYPES
 
 
 @dataclass
@@ -106,9 +108,9 @@ def _run_traced(adaptive, batch, hp, grad_scale):
     tensor's parity and bias corrections come from its step counter on the device (a
     torch.where between the buffers), not from the host. It serves what runs neither fused
     nor Triton under torch.compile: backend="foreach", float64 parameters without the
-    extension, and Triton batches of an install without it. Both buffers are rewritten (one with
-    its own values), which inductor fuses into the step's one pass. With found_inf (AMP) the
-    eager path runs instead, reading it on the host."""
+    extension, and Triton batches of an install without it. Both buffers are rewritten (one
+    with its own values), which inductor fuses into the step's one pass. With found_inf (AMP)
+    the eager path runs instead, reading it on the host."""
     lr, beta1, beta0 = hp["lr"], hp["beta1"], hp["beta0"]
     torch._foreach_add_(batch.steps, 1.0)
     for i, (param, grad, step) in enumerate(zip(batch.params, batch.grads, batch.steps)):

@@ -148,8 +148,8 @@ def test_a_float64_lr_on_the_gpu_is_refused_and_one_on_the_cpu_read_in_full():
 
     with pytest.raises(RuntimeError, match="float64 lr_tensor .* be on the CPU"):
         step(torch.float64, lr=0.0, lr_tensor=torch.tensor(0.1, dtype=torch.float64, device="cuda"))
-    assert torch.equal(step(torch.float64, lr=0.1),
-                       step(torch.float64, lr=0.0, lr_tensor=torch.tensor(0.1, dtype=torch.float64)))
+    cpu_lr = torch.tensor(0.1, dtype=torch.float64)
+    assert torch.equal(step(torch.float64, lr=0.1), step(torch.float64, lr=0.0, lr_tensor=cpu_lr))
 
 
 @pytest.mark.parametrize("backend", ["fused", "triton"])

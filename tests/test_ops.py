@@ -84,12 +84,12 @@ def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
     float32 is 0.1 + 1.5e-9). One of several elements is refused (one on a GPU too:
     tests/test_cuda.py)."""
     lr = 0.1
+    lr64 = torch.tensor(lr, dtype=torch.float64)
     fn = getattr(torch.ops.pnm_kernels, op)
     runs = {}
-    for how, kwargs in (
-            ("float", adapnm_kwargs(lr=lr)),
-            ("float64 tensor", adapnm_kwargs(lr=0.0, lr_tensor=torch.tensor(lr, dtype=torch.float64))),
-            ("float32 tensor", adapnm_kwargs(lr=0.0, lr_tensor=torch.tensor(lr)))):
+    for how, kwargs in (("float", adapnm_kwargs(lr=lr)),
+                        ("float64 tensor", adapnm_kwargs(lr=0.0, lr_tensor=lr64)),
+                        ("float32 tensor", adapnm_kwargs(lr=0.0, lr_tensor=torch.tensor(lr)))):
         args = adapnm_args(dtype=dtype)
         fn(*args, **kwargs)
         runs[how] = args[0]

@@ -1227,7 +1227,8 @@ def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, 
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 def test_unsupported_dtype_for_a_kernel_backend_names_the_parameter(backend):
     """float64 has fused kernels but no Triton ones; float8 has neither (nor any backend)."""
-    for dtype in [torch.float64, torch.float8_e4m3fn] if backend == "triton" else [torch.float8_e4m3fn]:
+    dtypes = [torch.float64, torch.float8_e4m3fn] if backend == "triton" else [torch.float8_e4m3fn]
+    for dtype in dtypes:
         p = torch.zeros(3, dtype=dtype, requires_grad=True)
         opt = PNM([p], backend=backend)
         p.grad = torch.ones(3).to(dtype)
