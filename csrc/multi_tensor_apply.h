@@ -112,14 +112,22 @@ struct StepCounterTable {
 };
 
 // Scalars shared by every block of a step. Pointers are device pointers (host ones when
-// emulated); lr_ptr, grad_scale and found_inf may be null.
+// emulated); lr_ptr, lr_f64_ptr, grad_scale and found_inf may be null.
 struct StepArgs {
   Hyper hyper;
   double lr;
+  // An lr tensor on the params' device, read by the kernel: float32, or float64 (whose digits
+  // float64 parameters need in full). Neither: the host's lr above.
   const float* lr_ptr;
+  const double* lr_f64_ptr;
   const float* grad_scale;
   const float* found_inf;
 };
+
+PNM_HOST_DEVICE double step_lr(const StepArgs& args) {
+  if (args.lr_f64_ptr != nullptr) return *args.lr_f64_ptr;
+  return args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+}
 
 // Test hook: smaller chunks and tables make chunk and launch boundaries reachable with small
 // tensors. Zero means "the default (default_chunk_size) / the table's capacity".
@@ -178,7 +186,7 @@ PNM_HOST_DEVICE void step_block(const LaunchTable<Algo::kLists>& tab, const Step
   // The counter is incremented only after every block has read it: this step is t = old + 1.
   const double step = static_cast<double>(*tab.steps[slot]) + 1.0;
   const bool odd = (static_cast<int64_t>(step) & 1) != 0;
-  const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+  const double lr = step_lr(args);
   const Coeffs<C> c = make_coeffs<C>(args.hyper, lr, step, Algo::kAdaptive);
   const C gf = grad_factor<C>(args.hyper.maximize, args.grad_scale);
 

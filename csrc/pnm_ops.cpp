@@ -50,12 +50,14 @@ bool dense_like(const at::Tensor& t, const at::Tensor& p) {
 }
 
 void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
-                         const c10::Device& device, bool cpu_allowed) {
+                         const c10::Device& device, bool lr) {
   if (!t.has_value()) return;
-  TORCH_CHECK(t->numel() == 1 && t->scalar_type() == at::kFloat,
-              "pnm_kernels: ", name, " must be a float32 tensor with one element, got ",
+  const bool dtype_ok =
+      t->scalar_type() == at::kFloat || (lr && t->scalar_type() == at::kDouble);
+  TORCH_CHECK(t->numel() == 1 && dtype_ok, "pnm_kernels: ", name, " must be a ",
+              lr ? "float32 or float64" : "float32", " tensor with one element, got ",
               t->scalar_type(), " with ", t->numel(), " elements");
-  TORCH_CHECK(t->device() == device || (cpu_allowed && t->device().is_cpu()),
+  TORCH_CHECK(t->device() == device || (lr && t->device().is_cpu()),
               "pnm_kernels: ", name, " is on ", t->device(), " but params are on ", device);
 }
 
@@ -110,16 +112,11 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                 "pnm_kernels: steps[", i, "] must be a float32 tensor with one element on ",
                 device);
   }
-  // A float64 lr is read on the host in full (make_step_args), so it must be on the CPU.
-  if (call.lr_tensor.has_value() && call.lr_tensor->scalar_type() == at::kDouble) {
-    TORCH_CHECK(call.lr_tensor->numel() == 1 && call.lr_tensor->device().is_cpu(),
-                "pnm_kernels: a float64 lr_tensor must have one element and be on the CPU, got ",
-                call.lr_tensor->numel(), " elements on ", call.lr_tensor->device());
-  } else {
-    check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*cpu_allowed=*/true);
-  }
-  check_scalar_tensor(call.grad_scale, "grad_scale", device, false);
-  check_scalar_tensor(call.found_inf, "found_inf", device, false);
+  // lr alone may be float64 (read in full, for float64 parameters) and on the CPU (read on
+  // the host, with no device synchronisation).
+  check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*lr=*/true);
+  check_scalar_tensor(call.grad_scale, "grad_scale", device, /*lr=*/false);
+  check_scalar_tensor(call.found_inf, "found_inf", device, /*lr=*/false);
   if (call.blocks_done.has_value()) {
     const at::Tensor& d = *call.blocks_done;
     TORCH_CHECK(d.numel() == 1 && d.scalar_type() == at::kInt,
@@ -211,12 +208,13 @@ StepArgs make_step_args(const StepCall& call) {
   args.lr = call.lr;
   if (call.lr_tensor.has_value()) {
     const at::Tensor& lr = *call.lr_tensor;
-    if (lr.scalar_type() == at::kDouble) {  // on the CPU (checked): read here, in full
-      args.lr = *lr.const_data_ptr<double>();
-    } else if (lr.device() == call.lists[0][0].device()) {
-      args.lr_ptr = lr.const_data_ptr<float>();
+    const bool f64 = lr.scalar_type() == at::kDouble;
+    if (lr.device() == call.lists[0][0].device()) {  // read by the kernel
+      if (f64) args.lr_f64_ptr = lr.const_data_ptr<double>();
+      else args.lr_ptr = lr.const_data_ptr<float>();
     } else {  // a CPU lr for device params: read it here, no synchronisation needed
-      args.lr = static_cast<double>(*lr.const_data_ptr<float>());
+      args.lr = f64 ? *lr.const_data_ptr<double>()
+                    : static_cast<double>(*lr.const_data_ptr<float>());
     }
   }
   if (call.grad_scale.has_value()) args.grad_scale = call.grad_scale->const_data_ptr<float>();
@@ -498,7 +496,7 @@ template <typename T, class Algo>
 void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   if (step_skipped(args.found_inf)) return;
   const int64_t n = call.size();
-  const double lr = args.lr_ptr != nullptr ? static_cast<double>(*args.lr_ptr) : args.lr;
+  const double lr = step_lr(args);
   using C = opmath_t<T>;
   const C gf = grad_factor<C>(args.hyper.maximize, args.grad_scale);
   std::vector<CpuTensorWork<T, Algo>> work(n);

@@ -144,14 +144,14 @@ def _run_traced(adaptive, batch, hp, grad_scale):
 def split_lr(lr, device, keep_float64=False):
     """(float lr, lr tensor or None) as the kernels take them: a tensor lr stays a tensor,
     on the params' device or on the CPU (read there without a device synchronisation), in
-    float32; with keep_float64 (the fused ops, which read a CPU lr on the host in full), a
-    float64 one on the CPU stays as it is, so float64 parameters get all its digits."""
+    float32; with keep_float64 (the fused ops, which read a float64 lr in full), a float64
+    one stays float64, so float64 parameters get all its digits."""
     if not isinstance(lr, torch.Tensor):
         return float(lr), None
-    if keep_float64 and lr.dtype == torch.float64 and lr.device.type == "cpu":
-        return 0.0, lr
     if lr.device != device and lr.device.type != "cpu":
         lr = lr.to(device)
+    if keep_float64 and lr.dtype == torch.float64:
+        return 0.0, lr
     return 0.0, lr.to(torch.float32)
 
 

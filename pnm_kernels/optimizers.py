@@ -752,11 +752,11 @@ class _PositiveNegativeMomentum(Optimizer):
                 if flat and not isinstance(hp["lr"], torch.Tensor):
                     # A float lr is a graph input, as for torch's optimizers, but an op's float
                     # argument would be specialised on, recompiling for every new lr: it
-                    # enters the kernels as a tensor on their device (float64 on the CPU for
-                    # float64 parameters, which the fused op reads in full).
+                    # enters the kernels as a tensor on their device (float64 for float64
+                    # parameters, which the fused op reads in full).
                     # (A product: torch.full's fill value would be specialised on too.)
-                    lr_dtype = (torch.float64 if device.type == "cpu"
-                                and params[start].dtype in (torch.float64, torch.complex128)
+                    lr_dtype = (torch.float64
+                                if params[start].dtype in (torch.float64, torch.complex128)
                                 else torch.float32)
                     batch_hp = dict(hp, lr=torch.ones((), dtype=lr_dtype, device=device)
                                     * hp["lr"])

@@ -135,10 +135,12 @@ def test_a_blocks_done_counter_on_another_device_raises():
                                         maximize=False, blocks_done=torch.zeros(1, dtype=torch.int32))
 
 
-def test_a_float64_lr_on_the_gpu_is_refused_and_one_on_the_cpu_read_in_full():
-    """A float64 lr tensor is read on the host, so it must be on the CPU; there, float64
-    parameters on the GPU get all its digits (bitwise the step with a float lr)."""
-    def step(dtype, **kw):
+@pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
+def test_a_float64_lr_on_the_gpu_or_the_cpu_is_read_in_full(dtype):
+    """A float64 lr tensor on the GPU is read by the kernel, one on the CPU on the host;
+    either way the step is bitwise the step with the same lr as a float argument, which a
+    float32 lr tensor rounds (float64 parameters see the difference)."""
+    def step(**kw):
         z = lambda: [torch.zeros(5, dtype=dtype, device="cuda")]  # noqa: E731
         p = [torch.ones(5, dtype=dtype, device="cuda")]
         torch.ops.pnm_kernels.pnm_step_(p, [torch.ones(5, dtype=dtype, device="cuda")], z(), z(),
@@ -146,10 +148,12 @@ def test_a_float64_lr_on_the_gpu_is_refused_and_one_on_the_cpu_read_in_full():
                                         weight_decay=0.0, decoupled=True, maximize=False, **kw)
         return p[0]
 
-    with pytest.raises(RuntimeError, match="float64 lr_tensor .* be on the CPU"):
-        step(torch.float64, lr=0.0, lr_tensor=torch.tensor(0.1, dtype=torch.float64, device="cuda"))
-    cpu_lr = torch.tensor(0.1, dtype=torch.float64)
-    assert torch.equal(step(torch.float64, lr=0.1), step(torch.float64, lr=0.0, lr_tensor=cpu_lr))
+    by_float = step(lr=0.1)
+    for device in ("cuda", "cpu"):
+        lr64 = torch.tensor(0.1, dtype=torch.float64, device=device)
+        assert torch.equal(by_float, step(lr=0.0, lr_tensor=lr64)), device
+    lr32 = torch.tensor(0.1, device="cuda")
+    assert torch.equal(by_float, step(lr=0.0, lr_tensor=lr32)) == (dtype == torch.float32)
 
 
 @pytest.mark.parametrize("backend", ["fused", "triton"])

@@ -79,10 +79,10 @@ def test_found_inf_skips_everything_including_the_step_counter():
 @pytest.mark.parametrize("op", ADA_OPS)
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
 def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
-    """A float64 CPU lr tensor is read on the host as it is: the step is bitwise the step
-    with the same lr as a float argument, which a float32 lr tensor rounds (an lr of 0.1 in
-    float32 is 0.1 + 1.5e-9). One of several elements is refused (one on a GPU too:
-    tests/test_cuda.py)."""
+    """A float64 lr tensor is read as it is (here by the kernel, as it is on the params'
+    device; read on the host from the CPU for GPU params: tests/test_cuda.py): the step is
+    bitwise the step with the same lr as a float argument, which a float32 lr tensor rounds
+    (an lr of 0.1 in float32 is 0.1 + 1.5e-9). One of several elements is refused."""
     lr = 0.1
     lr64 = torch.tensor(lr, dtype=torch.float64)
     fn = getattr(torch.ops.pnm_kernels, op)
@@ -97,7 +97,7 @@ def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
     if dtype == torch.float64:
         assert not all(torch.equal(a, b) for a, b in zip(runs["float"], runs["float32 tensor"]))
     two = torch.tensor([lr, lr], dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="float64 lr_tensor must have one element"):
+    with pytest.raises(RuntimeError, match="lr_tensor must be a float32 or float64 tensor with one element"):
         fn(*adapnm_args(dtype=dtype), **adapnm_kwargs(lr_tensor=two))
 
 
