@@ -21,6 +21,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_step import SETS, machine_info, timed  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
+from pnm_kernels._backends import TRITON_DTYPES  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size, set_launch_limits  # noqa: E402
 
 FACTORIES = {"PNM": lambda ps, b: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b),
@@ -78,7 +79,7 @@ def main(argv=None):
         for dtype in dtypes:
             for family in FACTORIES:
                 times = sweep(shapes, dtype, family, chunks, args.rounds, args.steps,
-                              with_triton, args.device)
+                              with_triton and dtype in TRITON_DTYPES, args.device)
                 base = times[cuda_chunk_size(dtype)]
                 rows.append(dict(
                     set=name, dtype=str(dtype).removeprefix("torch."), optimizer=family,
@@ -102,7 +103,8 @@ def main(argv=None):
              "|---|---|---|" + "---|" * len(keys)]
     for r in rows:
         lines.append(f"| {r['set']} | {r['dtype']} | {r['optimizer']} | " + " | ".join(
-            f"{r['ms'][k]:.3f} ({r['vs_shipped'][k]:.3f})" for k in keys) + " |")
+            f"{r['ms'][k]:.3f} ({r['vs_shipped'][k]:.3f})" if k in r["ms"] else "–"
+            for k in keys) + " |")
     table = "\n".join(lines)
     print(table)
     os.makedirs(args.out, exist_ok=True)
