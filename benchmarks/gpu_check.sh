@@ -60,17 +60,18 @@ stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SET
   --no-compiled --out "$WORK"
 # The fp32 table measures the shipped launch shapes. The fused step's chunk sizes side by side
 # in one process (run 12 on an H200 picked 4,096 for fp32 and kept 16,384 for 16-bit types):
-# on another card (an H100) this says whether they hold there too. flat1M: with 4,096-element
-# chunks an fp32 step of 0.54M-2.2M elements is two launches (the step, then the counters),
-# with 16,384 one (a block per SM at most): not yet timed.
+# on another card (an H100) this says whether they hold there too. A chunk size the sweep sets
+# holds for every step, so its flat1M rows time 4,096 as two launches (the step, then the
+# counters) and 16,384 as one, which is what a step of 0.54M-2.2M 4- or 8-byte elements now
+# ships with (step_chunk_size in csrc/multi_tensor_apply.h; run 14's sweep chose it).
 stage chunk_sweep 60 python3 benchmarks/chunk_sweep.py --sets flat1M,transformer,gpt2-124m,flat64M,flat256M \
-  --rounds 9 --out "$WORK"
+  --dtypes float32,bfloat16,float64 --rounds 9 --out "$WORK"
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
   --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled \
   --out "$WORK"
-# The fp64 kernels (fused only; 4,096-element chunks, fp64 AdaPNM-AMSGrad at one block per SM)
-# have not been timed on a GPU yet.
-stage bench_fp64 40 python3 benchmarks/bench_step.py --device cuda --dtype float64 \
+# The fp64 kernels (fused only; run 14: 91-100 % of copy bandwidth on the large sets). 40 s
+# was too little in run 14 (the tables were written, the process was still ending).
+stage bench_fp64 60 python3 benchmarks/bench_step.py --device cuda --dtype float64 \
   --sets small2000,transformer,flat64M,flat256M --rounds 9 --no-compiled --out "$WORK"
 
 cat > "$WORK/sanitize_step.py" <<'PY'

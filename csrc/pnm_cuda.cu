@@ -61,18 +61,22 @@ void run_cuda(const StepCall& call, const StepArgs& args) {
   const GatheredPointers g = gather_pointers(call);
   const int n = static_cast<int>(call.size());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
-                                            sizeof(T), launch_limits());
   unsigned int* const blocks_done = blocks_done_ptr(call);
+  LaunchLimits limits = launch_limits();
+  int max_single_blocks = 0;  // one block per SM at most (see single_launch_step_kernel)
   if (blocks_done != nullptr) {
-    const int limit = launch_limits().max_single_launch_blocks;
-    const int max_blocks = limit > 0 ? limit : multiprocessor_count(call.lists[0][0].get_device());
-    if (make_single_launch(tables, blocks_done, max_blocks)) {
-      single_launch_step_kernel<T, Algo>
-          <<<single_launch_grid(tables[0]), kBlockSize, 0, stream>>>(tables[0], args);
-      C10_CUDA_KERNEL_LAUNCH_CHECK();
-      return;
-    }
+    max_single_blocks = limits.max_single_launch_blocks > 0
+                            ? limits.max_single_launch_blocks
+                            : multiprocessor_count(call.lists[0][0].get_device());
+  }
+  limits.chunk_size = step_chunk_size(n, g.numels.data(), sizeof(T), limits, max_single_blocks);
+  auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
+                                            sizeof(T), limits);
+  if (make_single_launch(tables, blocks_done, max_single_blocks)) {
+    single_launch_step_kernel<T, Algo>
+        <<<single_launch_grid(tables[0]), kBlockSize, 0, stream>>>(tables[0], args);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+    return;
   }
   for (const auto& table : tables) {
     if (table.num_blocks == 0) continue;  // empty tensors only

@@ -544,9 +544,12 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   unsigned int* const blocks_done = blocks_done_ptr(call);
   TORCH_CHECK(blocks_done == nullptr || *blocks_done == 0,
               "pnm_kernels: blocks_done must be zero when a step starts, got ", *blocks_done);
+  LaunchLimits limits = launch_limits();
+  const int max_single_blocks = blocks_done != nullptr ? limits.max_single_launch_blocks : 0;
+  limits.chunk_size = step_chunk_size(n, g.numels.data(), sizeof(T), limits, max_single_blocks);
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
-                                            sizeof(T), launch_limits());
-  if (make_single_launch(tables, blocks_done, launch_limits().max_single_launch_blocks)) {
+                                            sizeof(T), limits);
+  if (make_single_launch(tables, blocks_done, max_single_blocks)) {
     if (step_skipped(args.found_inf)) return;
     const LaunchTable<Algo::kLists>& table = tables[0];
     const int grid = single_launch_grid(table);
@@ -617,9 +620,11 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool 
 }
 
 // Test hook: the launch plan for tensors of these sizes and element size, as (table, tensor,
-// chunk) triples, one per block. No memory is touched, so sizes beyond 2^31 elements can be
-// planned here.
-std::vector<int64_t> launch_plan(at::IntArrayRef numels, int64_t element_size) {
+// chunk) triples, one per block; with max_single_launch_blocks, that of a step with a
+// blocks_done counter on a GPU of that many SMs (its chunk size: step_chunk_size). No memory
+// is touched, so sizes beyond 2^31 elements can be planned here.
+std::vector<int64_t> launch_plan(at::IntArrayRef numels, int64_t element_size,
+                                 int64_t max_single_launch_blocks) {
   constexpr int kLists = 4;
   const int n = static_cast<int>(numels.size());
   std::vector<void*> ptrs(static_cast<size_t>(n) * kLists);
@@ -627,8 +632,11 @@ std::vector<int64_t> launch_plan(at::IntArrayRef numels, int64_t element_size) {
     for (int l = 0; l < kLists; ++l) ptrs[i * kLists + l] = reinterpret_cast<void*>((i + 1) * 64);
   }
   std::vector<float*> steps(n, nullptr);
+  LaunchLimits limits = launch_limits();
+  limits.chunk_size = step_chunk_size(n, numels.data(), static_cast<size_t>(element_size), limits,
+                                      static_cast<int>(max_single_launch_blocks));
   const auto tables = plan_launches<kLists>(n, ptrs.data(), steps.data(), numels.data(),
-                                            static_cast<size_t>(element_size), launch_limits());
+                                            static_cast<size_t>(element_size), limits);
   std::vector<int64_t> out;
   for (size_t t = 0; t < tables.size(); ++t) {
     for (int b = 0; b < tables[t].num_blocks; ++b) {  // each block as step_block finds it
@@ -979,7 +987,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
         &pnm::set_launch_limits);
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
-  m.def("_launch_plan(int[] numels, int element_size) -> int[]", &pnm::launch_plan);
+  m.def("_launch_plan(int[] numels, int element_size, int max_single_launch_blocks=0) -> int[]",
+        &pnm::launch_plan);
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
   m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
   m.def("_cpu_isa() -> str", &pnm::cpu_isa);

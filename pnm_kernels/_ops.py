@@ -29,7 +29,8 @@ if _EXTENSION_ERROR is None:
 
 def cuda_chunk_size(dtype: torch.dtype) -> int:
     """Elements each block of the fused CUDA step updates for parameters of this dtype
-    (csrc/multi_tensor_apply.h's default_chunk_size; a test checks the two agree)."""
+    (csrc/multi_tensor_apply.h's default_chunk_size; a test checks the two agree). A step
+    that fits one launch only with 16,384-element chunks takes those (step_chunk_size)."""
     return 4096 if dtype.itemsize >= 4 else 16384
 
 

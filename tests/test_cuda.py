@@ -106,16 +106,19 @@ def _kernels_launched_by(fn):
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_a_step_of_at_most_one_block_per_sm_is_a_single_launch(name):
     """An eager fused step whose chunks fit one block per SM is one kernel that also
-    increments the step counters; a larger one is the step kernel plus the counter kernel,
+    increments the step counters, with 16,384-element chunks where fp32's 4,096 would not fit
+    (tests/test_ops.py plans it); a larger one is the step kernel plus the counter kernel,
     however many chunks it has (2,000 here: launches were once cut at 1,280). All agree with
     the reference, counters included."""
     if not _kernels_launched_by(lambda: torch.ones(4, device="cuda").mul_(2)):
         pytest.skip("the profiler records no CUDA kernels here (CUPTI unavailable)")
     sms = torch.cuda.get_device_properties(0).multi_processor_count
-    for blocks, expected in ((sms, ["single"]), (sms + 1, ["step", "increment"]),
-                             (2000, ["step", "increment"])):
-        chunk = cuda_chunk_size(torch.float32)
-        params = make_params([((blocks - 1) * chunk,), (3,)], device="cuda")  # a block each
+    chunk = cuda_chunk_size(torch.float32)
+    for numel, expected in (((sms - 1) * chunk, ["single"]),  # with the (3,): sms blocks
+                            (sms * chunk, ["single"]),  # sms + 1 of 4,096; sms / 4 + 1 larger
+                            (sms * 16384, ["step", "increment"]),  # sms + 1 even of 16,384
+                            (1999 * chunk, ["step", "increment"])):
+        params = make_params([(numel,), (3,)], device="cuda")
         ref_params = clone_params(params)
         opt = OPTIMIZERS[name](params, lr=1e-3, backend="fused")
         ref = OPTIMIZERS[name](ref_params, lr=1e-3, backend="reference")

@@ -244,8 +244,10 @@ def test_a_bad_blocks_done_counter_raises_and_writes_nothing(blocks_done, messag
             assert torch.equal(t, o)
 
 
-def _plan(numels, dtype=torch.float32):
-    flat = torch.ops.pnm_kernels._launch_plan(numels, dtype.itemsize)
+def _plan(numels, dtype=torch.float32, sms=0):
+    """(table, tensor, chunk) a block; sms: as a step with a blocks_done counter on a GPU with
+    that many SMs, whose single launch may have a block per SM."""
+    flat = torch.ops.pnm_kernels._launch_plan(numels, dtype.itemsize, sms)
     return [tuple(flat[i:i + 3]) for i in range(0, len(flat), 3)]
 
 
@@ -278,6 +280,58 @@ def test_the_python_chunk_size_is_the_kernels(dtype):
     assert chunk == (16384 if dtype.itemsize == 2 else 4096)
     assert _plan([chunk], dtype) == [(0, 0, 0)]
     assert _plan([chunk + 1], dtype) == [(0, 0, 0), (0, 0, 1)]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_step_that_fits_one_launch_only_with_larger_chunks_takes_them(dtype):
+    """With a blocks_done counter a step is one launch if it has at most a block per SM. A
+    step of 4-byte (or 8-byte) elements that 4,096-element chunks make too many blocks for
+    that, but 16,384-element ones do not, takes 16,384-element chunks (one launch, not the
+    step and the counter launches: host time less on these host-bound sizes); one too large
+    for either, or one that fits already, keeps 4,096; so does every step without a counter
+    and a chunk size set through the test hook. 132 SMs: an H100 or H200."""
+    sms = 132
+    blocks = lambda numels, **kw: len(_plan(numels, dtype, **kw))  # noqa: E731
+    assert blocks([1 << 20], sms=sms) == 64 and blocks([1 << 20]) == 256
+    assert blocks([sms * 4096], sms=sms) == sms
+    assert blocks([sms * 4096 + 1], sms=sms) == 34
+    assert blocks([sms * 16384 + 1], sms=sms) == sms * 4 + 1
+    assert blocks([30000, 30000, 3], sms=3) == 8 + 8 + 1  # 16,384 would make 5 blocks
+    assert blocks([16000, 20000, 3], sms=4) == 4
+    assert [c for _, _, c in _plan([40000], dtype, sms=3)] == [0, 1, 2]
+    set_launch_limits(chunk_size=4096)
+    try:
+        assert blocks([1 << 20], sms=sms) == 256
+    finally:
+        set_launch_limits()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_a_single_launch_with_larger_chunks_steps_as_the_cpu_kernel(dtype):
+    """The emulated single launch of such a step (16,384-element chunks, the block that takes
+    the last ticket incrementing the counters) gives bitwise what the fused CPU kernel gives,
+    step counters included, and leaves blocks_done at zero."""
+    assert len(_plan([40000, 3], dtype, sms=4)) == 4
+    emulated = [p.detach() for p in make_params([(40000,), (3,)], dtype=dtype, device="cpu")]
+    fused = [p.clone() for p in emulated]
+    state = {id(ps): ([[torch.zeros_like(p) for p in ps] for _ in range(4)],
+                      [torch.zeros(()) for _ in ps]) for ps in (emulated, fused)}
+    blocks_done = torch.zeros(1, dtype=torch.int32)
+    set_launch_limits(max_single_launch_blocks=4)
+    try:
+        for _ in range(3):
+            grads = [torch.randn(p.shape).to(dtype) for p in emulated]
+            for params, op in ((emulated, "emulated_cuda_adapnm_step_"), (fused, "adapnm_step_")):
+                buffers, steps = state[id(params)]
+                getattr(torch.ops.pnm_kernels, op)(params, grads, *buffers, steps,
+                                                   **adapnm_kwargs(), blocks_done=blocks_done)
+            assert blocks_done.item() == 0
+    finally:
+        set_launch_limits()
+    flat = lambda ps: ps + sum(state[id(ps)][0], []) + state[id(ps)][1]  # noqa: E731
+    for x, y in zip(flat(emulated), flat(fused)):
+        assert torch.equal(x, y)
+    assert [s.item() for s in state[id(emulated)][1]] == [3.0, 3.0]
 
 
 def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
