@@ -97,7 +97,8 @@ def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
     if dtype == torch.float64:
         assert not all(torch.equal(a, b) for a, b in zip(runs["float"], runs["float32 tensor"]))
     two = torch.tensor([lr, lr], dtype=torch.float64)
-    with pytest.raises(RuntimeError, match="lr_tensor must be a float32 or float64 tensor with one element"):
+    with pytest.raises(RuntimeError,
+                       match="lr_tensor must be a float32 or float64 tensor with one element"):
         fn(*adapnm_args(dtype=dtype), **adapnm_kwargs(lr_tensor=two))
 
 
@@ -179,29 +180,36 @@ def test_emulated_launches_agree_with_the_cpu_kernel_across_launch_boundaries(li
     its old count by then (its parity and bias corrections would differ otherwise), and an
     empty tensor's counter still counts."""
     shapes = [(1,), (3,), (8,), (1000,), (0,), (64,), (65,), (517,), (9, 7), (0,)]
-    emulated = [p.detach() for p in make_params(shapes, dtype=dtype, device="cpu")]
-    emulated.append(torch.zeros(1001, dtype=dtype)[1:].copy_(emulated[3]))  # misaligned
-    fused = [p.clone() for p in emulated]
-    state = {id(ps): ([[torch.zeros_like(p) for p in ps] for _ in range(4)],
-                      [torch.zeros(()) for _ in ps]) for ps in (emulated, fused)}
+    params = [p.detach() for p in make_params(shapes, dtype=dtype, device="cpu")]
+    params.append(torch.zeros(1001, dtype=dtype)[1:].copy_(params[3]))  # misaligned
     blocks_done = None if counters == "second-launch" else torch.zeros(1, dtype=torch.int32)
     set_launch_limits(*limits, max_single_launch_blocks=2 if counters == "capped" else 0)
     try:
-        for _ in range(6):
-            grads = [torch.randn(p.shape).to(dtype) for p in emulated]
-            for params, op in ((emulated, "emulated_cuda_adapnm_step_"), (fused, "adapnm_step_")):
-                buffers, steps = state[id(params)]
-                getattr(torch.ops.pnm_kernels, op)(params, grads, *buffers, steps,
-                                                   **adapnm_kwargs(decoupled=True),
-                                                   blocks_done=blocks_done)
-            if blocks_done is not None:
-                assert blocks_done.item() == 0  # left ready for the next step
+        emulated, fused, steps = _emulated_beside_the_cpu_kernel(params, 6, blocks_done,
+                                                                 decoupled=True)
     finally:
         set_launch_limits()
-    flat = lambda ps: ps + sum(state[id(ps)][0], []) + state[id(ps)][1]  # noqa: E731
-    for x, y in zip(flat(emulated), flat(fused)):
-        assert torch.equal(x, y)
-    assert [s.item() for s in state[id(emulated)][1]] == [6.0] * len(emulated)
+    assert all(torch.equal(x, y) for x, y in zip(emulated, fused))
+    assert steps == [6.0] * len(params)
+
+
+def _emulated_beside_the_cpu_kernel(params, num_steps, blocks_done, **hyper):
+    """AdaPNM steps of params by the emulated CUDA op and of a copy by the fused CPU kernel,
+    with the same gradients: each side's parameters, buffers and counters, then the emulated
+    side's step counts. A blocks_done counter must be left at zero after every step."""
+    sides = []
+    for p in (params, [p.clone() for p in params]):
+        sides.append((p, [[torch.zeros_like(q) for q in p] for _ in range(4)],
+                      [torch.zeros(()) for _ in p]))
+    for _ in range(num_steps):
+        grads = [torch.randn(p.shape).to(p.dtype) for p in params]
+        for (ps, buffers, steps), op in zip(sides, ("emulated_cuda_adapnm_step_", "adapnm_step_")):
+            getattr(torch.ops.pnm_kernels, op)(ps, grads, *buffers, steps,
+                                               **adapnm_kwargs(**hyper), blocks_done=blocks_done)
+        if blocks_done is not None:
+            assert blocks_done.item() == 0  # left ready for the next step
+    flat = [ps + sum(buffers, []) + steps for ps, buffers, steps in sides]
+    return flat[0], flat[1], [s.item() for s in sides[0][2]]
 
 
 @pytest.mark.parametrize("limits", [(64, 1, 1), (0, 0, 0)], ids=["one-block-launches", "defaults"])
@@ -312,26 +320,15 @@ def test_a_single_launch_with_larger_chunks_steps_as_the_cpu_kernel(dtype):
     the last ticket incrementing the counters) gives bitwise what the fused CPU kernel gives,
     step counters included, and leaves blocks_done at zero."""
     assert len(_plan([40000, 3], dtype, sms=4)) == 4
-    emulated = [p.detach() for p in make_params([(40000,), (3,)], dtype=dtype, device="cpu")]
-    fused = [p.clone() for p in emulated]
-    state = {id(ps): ([[torch.zeros_like(p) for p in ps] for _ in range(4)],
-                      [torch.zeros(()) for _ in ps]) for ps in (emulated, fused)}
-    blocks_done = torch.zeros(1, dtype=torch.int32)
+    params = [p.detach() for p in make_params([(40000,), (3,)], dtype=dtype, device="cpu")]
     set_launch_limits(max_single_launch_blocks=4)
     try:
-        for _ in range(3):
-            grads = [torch.randn(p.shape).to(dtype) for p in emulated]
-            for params, op in ((emulated, "emulated_cuda_adapnm_step_"), (fused, "adapnm_step_")):
-                buffers, steps = state[id(params)]
-                getattr(torch.ops.pnm_kernels, op)(params, grads, *buffers, steps,
-                                                   **adapnm_kwargs(), blocks_done=blocks_done)
-            assert blocks_done.item() == 0
+        emulated, fused, steps = _emulated_beside_the_cpu_kernel(
+            params, 3, torch.zeros(1, dtype=torch.int32))
     finally:
         set_launch_limits()
-    flat = lambda ps: ps + sum(state[id(ps)][0], []) + state[id(ps)][1]  # noqa: E731
-    for x, y in zip(flat(emulated), flat(fused)):
-        assert torch.equal(x, y)
-    assert [s.item() for s in state[id(emulated)][1]] == [3.0, 3.0]
+    assert all(torch.equal(x, y) for x, y in zip(emulated, fused))
+    assert steps == [3.0, 3.0]
 
 
 def test_launch_plan_for_a_tensor_beyond_2_to_the_31_elements():
