@@ -337,13 +337,15 @@ inline int64_t step_chunk_size(int num_tensors, const int64_t* numels, size_t el
   if (limits.chunk_size > 0) return limits.chunk_size;
   const int64_t standard = default_chunk_size(element_size);
   if (max_single_blocks <= 0 || standard >= kSingleLaunchChunk) return standard;
-  auto blocks = [&](int64_t chunk) {
+  auto fits = [&](int64_t chunk) {  // stops counting past the cap: steps of many tensors
     int64_t total = 0;
-    for (int i = 0; i < num_tensors; ++i) total += (numels[i] + chunk - 1) / chunk;
-    return total;
+    for (int i = 0; i < num_tensors && total <= max_single_blocks; ++i) {
+      total += (numels[i] + chunk - 1) / chunk;
+    }
+    return total <= max_single_blocks;
   };
-  if (blocks(standard) <= max_single_blocks) return standard;
-  return blocks(kSingleLaunchChunk) <= max_single_blocks ? kSingleLaunchChunk : standard;
+  if (fits(standard)) return standard;
+  return fits(kSingleLaunchChunk) ? kSingleLaunchChunk : standard;
 }
 
 // Whether a step planned as these tables runs as one launch that also increments the counters
