@@ -73,14 +73,17 @@ def test_float64_matches_the_reference_to_float64_precision(path, b0, name, opti
     assert_states_close(opt, params, ref, ref_params, rtol=1e-14, atol=1e-14)
 
 
+@pytest.mark.parametrize("lr_on", ["cpu", "params' device"])
 @pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "triton"], indirect=True)
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_float64_steps_take_a_float64_lr_tensor_in_full(path, name):
-    """An lr given as a float64 tensor (a scheduler's, a new value every step) reaches
-    float64 parameters with all its digits: within 1e-14 of the reference, as a float lr."""
+def test_float64_steps_take_a_float64_lr_tensor_in_full(path, name, lr_on):
+    """An lr given as a float64 tensor (a scheduler's, a new value every step), on the CPU or
+    on the parameters' device, reaches float64 parameters with all its digits: within 1e-14
+    of the reference, as a float lr."""
     params = make_params(shapes_for(path), dtype=torch.float64)
     ref_params = clone_params(params)
-    lr = torch.tensor(1e-2, dtype=torch.float64)
+    lr = torch.tensor(1e-2, dtype=torch.float64,
+                      device="cpu" if lr_on == "cpu" else params[0].device)
     opt = OPTIMIZERS[name](params, lr=lr, weight_decay=0.1, backend=path)
     ref = OPTIMIZERS[name](ref_params, lr=lr.clone(), weight_decay=0.1, backend="reference")
     for t in range(12):
