@@ -155,11 +155,32 @@ def split_lr(lr, device, keep_float64=False):
     return 0.0, lr.to(torch.float32)
 
 
+def capturing(device) -> bool:
+    """Whether a CUDA graph is being captured on the device's current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+# Backends that read each parameter's step count (and a tensor lr) on the host in an eager
+# step: not capturable in a CUDA graph.
+HOST_READ_BACKENDS = ("foreach", "reference")
+
+
+def check_capturable(backend, device):
+    """Refuses, before anything is touched, an eager step that a CUDA-graph capture would
+    break halfway (as torch's optimizers refuse one without capturable=True)."""
+    if backend in HOST_READ_BACKENDS and capturing(device):
+        raise RuntimeError(
+            f"pnm_kernels: backend='{backend}' reads each parameter's step count on the host, "
+            "which a CUDA graph capture cannot record; capture the step with backend='fused' "
+            "or 'triton' (what 'auto' picks on CUDA where the extension is built), or "
+            "compile it (torch.compile traces the foreach step without host reads)")
+
+
 def new_blocks_done(device):
     """A batch's ticket counter for steps that increment their step counters in their own
     launch: one int32, zero between steps. None inside a CUDA-graph capture, where its zeroing
     would only be recorded; a batch without one keeps a second launch for its counters."""
-    if device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+    if capturing(device):
         return None
     return torch.zeros(1, dtype=torch.int32, device=device)
 

@@ -970,6 +970,8 @@ class _PositiveNegativeMomentum(Optimizer):
     def _run(self, plan, grad_scale, found_inf):
         """Runs every item of the plan; returns the batches it ran."""
         per_device = {}
+        for item in plan:
+            _backends.check_capturable(item.backend, item.params[0].device)
         # Every batch is built (and checked) before any runs: a step that raises has not
         # touched a parameter.
         built = [self._batch(item) for item in plan]

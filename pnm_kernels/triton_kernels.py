@@ -19,7 +19,7 @@ import torch
 import triton
 import triton.language as tl
 
-from ._backends import new_blocks_done, split_lr, step_lists
+from ._backends import capturing, new_blocks_done, split_lr, step_lists
 from .reference import noise_norm
 
 
@@ -269,12 +269,8 @@ def _held_tables(now, n, device, chunk, memo):
     return tables
 
 
-def _capturing(device) -> bool:
-    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
-
-
 def _build_tables(ptrs, step_ptrs, numels, device, chunk):
-    if _capturing(device):
+    if capturing(device):
         raise RuntimeError(
             "pnm_kernels (backend='triton'): the step's tensors are at addresses not seen "
             "before the CUDA graph capture, and their tables cannot be copied to the GPU "

@@ -51,6 +51,26 @@ def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_
         torch.testing.assert_close(p, q)
 
 
+@pytest.mark.parametrize("backend", ["foreach", "reference"])
+def test_a_host_reading_backend_refuses_a_cuda_graph_capture(backend):
+    """backend="foreach" and "reference" read each step count on the host: captured, the
+    step raises saying so before it issues any work, and the parameters and state stay as
+    they were (tests/test_optimizer_api.py simulates this on the CPU)."""
+    params = make_params([(64,), (3,)], device="cuda")
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-3, backend=backend)
+    train(opt, params, 2)
+    for p in params:
+        p.grad = torch.randn_like(p)
+    before = [t.clone() for p in params for t in [p.detach(), *opt.state[p].values()]]
+    torch.cuda.synchronize()
+    with pytest.raises(RuntimeError, match="cannot record"):
+        with torch.cuda.graph(torch.cuda.CUDAGraph()):
+            opt.step()
+    torch.cuda.synchronize()
+    after = [t for p in params for t in [p.detach(), *opt.state[p].values()]]
+    assert all(torch.equal(a, b) for a, b in zip(before, after))
+
+
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_a_step_compiled_in_reduce_overhead_mode_replays_as_a_cuda_graph(name):
     """torch.compile(opt.step, mode="reduce-overhead"): inductor records the step as a CUDA

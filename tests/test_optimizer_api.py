@@ -1015,7 +1015,7 @@ def test_triton_tables_needed_inside_a_graph_capture_raise_clearly(path, monkeyp
     params = make_params([(5,), (3, 2)])
     opt = PNM(params, backend=path)
     train(opt, params, 2)
-    monkeypatch.setattr(triton_kernels, "_capturing", lambda device: True)
+    monkeypatch.setattr(triton_kernels, "capturing", lambda device: True)
     for p in params:  # gradients kept, as zero_grad(set_to_none=False) keeps them
         p.grad.fill_(0.5)
     opt.step()  # same addresses as in the last step: its tables are used as they are
@@ -1222,6 +1222,37 @@ def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, 
     for k, state in snapshot["state"].items():
         for key, value in state.items():
             assert torch.equal(after["state"][k][key], value)
+
+
+@pytest.mark.parametrize("backend", ["foreach", "reference"])
+@BOTH
+def test_a_host_reading_backend_refuses_a_cuda_graph_capture_untouched(name, backend,
+                                                                       monkeypatch):
+    """backend="foreach" and "reference" read each step count on the host, which a CUDA
+    graph capture cannot record: the step raises, naming what can be captured, before any
+    group is touched (as torch's optimizers refuse a capture without capturable=True), also
+    where another group's fused step would have run first. The capture is simulated here, on
+    CPU tensors (tests/test_cuda.py captures for real)."""
+    fused, host = make_params([(5,), (6,)]), make_params([(4,)], seed=1)
+    opt = OPTIMIZERS[name]([{"params": fused, "backend": "fused"},
+                            {"params": host, "backend": backend}])
+    train(opt, fused + host, 2)
+    snapshot = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in fused + host]
+    for p in fused + host:
+        p.grad = torch.ones_like(p)
+    monkeypatch.setattr(_backends, "capturing", lambda device: True)
+    with pytest.raises(RuntimeError, match=rf"backend='{backend}' reads each parameter's step "
+                                           r"count on the host.*backend='fused' or 'triton'"):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(fused + host, values))
+    after = opt.state_dict()
+    for k, state in snapshot["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][k][key], value)
+    monkeypatch.undo()
+    opt.step()  # outside a capture it steps
+    assert not torch.equal(host[0], values[-1])
 
 
 @pytest.mark.parametrize("backend", ["fused", "triton"])
