@@ -265,16 +265,45 @@ PNM_HOST_DEVICE void finish_launch(const LaunchTable<kLists>& tab, int thread, i
   if (thread == 0) *tab.blocks_done = 0;
 }
 
+// The chunk size of a step: the default for its element size, or, where that makes the step
+// too many blocks for one launch (more than max_single_blocks; zero: no cap, no need) and
+// chunks of kSingleLaunchChunk would not, those: the step is then one launch instead of the
+// step and the counter launches. That takes an fp32 step of 0.54M-2.2M elements (on a GPU of
+// 132 SMs) to one launch. On an H200 (benchmarks/results/gpu-h200-2026-11-26-run14,
+// chunk_sweep.md, where the chunk size set for flat1M gave it exactly this plan), fp32 flat1M
+// took 0.044 ms a PNM step with 16,384-element chunks against 0.055 with 4,096 (AdaPNM 0.048
+// against 0.054): steps of this size are host-bound, and a launch less is host time less.
+// A chunk size set through the test hook is kept as it is.
+constexpr int64_t kSingleLaunchChunk = 16384;
+inline int64_t step_chunk_size(int num_tensors, const int64_t* numels, size_t element_size,
+                               const LaunchLimits& limits, int max_single_blocks) {
+  if (limits.chunk_size > 0) return limits.chunk_size;
+  const int64_t standard = default_chunk_size(element_size);
+  if (max_single_blocks <= 0 || standard >= kSingleLaunchChunk) return standard;
+  auto fits = [&](int64_t chunk) {  // stops counting past the cap: steps of many tensors
+    int64_t total = 0;
+    for (int i = 0; i < num_tensors && total <= max_single_blocks; ++i) {
+      total += (numels[i] + chunk - 1) / chunk;
+    }
+    return total <= max_single_blocks;
+  };
+  if (fits(standard)) return standard;
+  return fits(kSingleLaunchChunk) ? kSingleLaunchChunk : standard;
+}
+
 // Host side: cut tensors into chunks and fill launch tables. ptrs[i * kLists + l] is list l's
 // pointer for tensor i. A tensor whose chunks do not fit is continued in the next table. An
 // empty tensor gets a slot but no block: its counter is counted in a single-launch step.
+// Chunks are step_chunk_size's; max_single_blocks: the most blocks a single launch of this
+// step may have (zero where it has no blocks_done counter).
 template <int kLists>
 std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptrs,
                                                float* const* steps, const int64_t* numels,
-                                               size_t element_size, const LaunchLimits& limits) {
+                                               size_t element_size, const LaunchLimits& limits,
+                                               int max_single_blocks) {
   using Table = LaunchTable<kLists>;
   const int64_t chunk_size =
-      limits.chunk_size > 0 ? limits.chunk_size : default_chunk_size(element_size);
+      step_chunk_size(num_tensors, numels, element_size, limits, max_single_blocks);
   const int max_tensors = limits.max_tensors > 0 && limits.max_tensors < Table::kMaxTensors
                               ? limits.max_tensors : Table::kMaxTensors;
   const int max_blocks = limits.max_blocks > 0 && limits.max_blocks < Table::kMaxBlocks
@@ -320,32 +349,6 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
     }
   }
   return tables;
-}
-
-// The chunk size of a step: the default for its element size, or, where that makes the step
-// too many blocks for one launch (more than max_single_blocks; zero: no cap, no need) and
-// chunks of kSingleLaunchChunk would not, those: the step is then one launch instead of the
-// step and the counter launches. That takes an fp32 step of 0.54M-2.2M elements (on a GPU of
-// 132 SMs) to one launch. On an H200 (benchmarks/results/gpu-h200-2026-11-26-run14,
-// chunk_sweep.md, where the chunk size set for flat1M gave it exactly this plan), fp32 flat1M
-// took 0.044 ms a PNM step with 16,384-element chunks against 0.055 with 4,096 (AdaPNM 0.048
-// against 0.054): steps of this size are host-bound, and a launch less is host time less.
-// A chunk size set through the test hook is kept as it is.
-constexpr int64_t kSingleLaunchChunk = 16384;
-inline int64_t step_chunk_size(int num_tensors, const int64_t* numels, size_t element_size,
-                               const LaunchLimits& limits, int max_single_blocks) {
-  if (limits.chunk_size > 0) return limits.chunk_size;
-  const int64_t standard = default_chunk_size(element_size);
-  if (max_single_blocks <= 0 || standard >= kSingleLaunchChunk) return standard;
-  auto fits = [&](int64_t chunk) {  // stops counting past the cap: steps of many tensors
-    int64_t total = 0;
-    for (int i = 0; i < num_tensors && total <= max_single_blocks; ++i) {
-      total += (numels[i] + chunk - 1) / chunk;
-    }
-    return total <= max_single_blocks;
-  };
-  if (fits(standard)) return standard;
-  return fits(kSingleLaunchChunk) ? kSingleLaunchChunk : standard;
 }
 
 // Whether a step planned as these tables runs as one launch that also increments the counters

@@ -62,16 +62,15 @@ void run_cuda(const StepCall& call, const StepArgs& args) {
   const int n = static_cast<int>(call.size());
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
   unsigned int* const blocks_done = blocks_done_ptr(call);
-  LaunchLimits limits = launch_limits();
+  const LaunchLimits& limits = launch_limits();
   int max_single_blocks = 0;  // one block per SM at most (see single_launch_step_kernel)
   if (blocks_done != nullptr) {
     max_single_blocks = limits.max_single_launch_blocks > 0
                             ? limits.max_single_launch_blocks
                             : multiprocessor_count(call.lists[0][0].get_device());
   }
-  limits.chunk_size = step_chunk_size(n, g.numels.data(), sizeof(T), limits, max_single_blocks);
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
-                                            sizeof(T), limits);
+                                            sizeof(T), limits, max_single_blocks);
   if (make_single_launch(tables, blocks_done, max_single_blocks)) {
     single_launch_step_kernel<T, Algo>
         <<<single_launch_grid(tables[0]), kBlockSize, 0, stream>>>(tables[0], args);

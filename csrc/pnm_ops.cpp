@@ -544,11 +544,10 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   unsigned int* const blocks_done = blocks_done_ptr(call);
   TORCH_CHECK(blocks_done == nullptr || *blocks_done == 0,
               "pnm_kernels: blocks_done must be zero when a step starts, got ", *blocks_done);
-  LaunchLimits limits = launch_limits();
+  const LaunchLimits& limits = launch_limits();
   const int max_single_blocks = blocks_done != nullptr ? limits.max_single_launch_blocks : 0;
-  limits.chunk_size = step_chunk_size(n, g.numels.data(), sizeof(T), limits, max_single_blocks);
   auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
-                                            sizeof(T), limits);
+                                            sizeof(T), limits, max_single_blocks);
   if (make_single_launch(tables, blocks_done, max_single_blocks)) {
     if (step_skipped(args.found_inf)) return;
     const LaunchTable<Algo::kLists>& table = tables[0];
@@ -632,11 +631,9 @@ std::vector<int64_t> launch_plan(at::IntArrayRef numels, int64_t element_size,
     for (int l = 0; l < kLists; ++l) ptrs[i * kLists + l] = reinterpret_cast<void*>((i + 1) * 64);
   }
   std::vector<float*> steps(n, nullptr);
-  LaunchLimits limits = launch_limits();
-  limits.chunk_size = step_chunk_size(n, numels.data(), static_cast<size_t>(element_size), limits,
-                                      static_cast<int>(max_single_launch_blocks));
   const auto tables = plan_launches<kLists>(n, ptrs.data(), steps.data(), numels.data(),
-                                            static_cast<size_t>(element_size), limits);
+                                            static_cast<size_t>(element_size), launch_limits(),
+                                            static_cast<int>(max_single_launch_blocks));
   std::vector<int64_t> out;
   for (size_t t = 0; t < tables.size(); ++t) {
     for (int b = 0; b < tables[t].num_blocks; ++b) {  // each block as step_block finds it
