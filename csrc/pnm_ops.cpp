@@ -127,6 +127,29 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
   }
 }
 
+// What a PNM and an AdaPNM call have in common: the first four lists (param, grad and the
+// two momentum buffers), the counters and the step's scalars.
+StepCall common_call(at::TensorList params, at::TensorList grads, at::TensorList positive,
+                     at::TensorList negative, at::TensorList steps, double lr,
+                     const std::optional<at::Tensor>& lr_tensor,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& blocks_done, bool decoupled) {
+  StepCall call;
+  call.lists[0] = params;
+  call.lists[1] = grads;
+  call.lists[2] = positive;
+  call.lists[3] = negative;
+  call.steps = steps;
+  call.lr = lr;
+  call.lr_tensor = lr_tensor;
+  call.grad_scale = grad_scale;
+  call.found_inf = found_inf;
+  call.blocks_done = blocks_done;
+  call.decoupled = decoupled;
+  return call;
+}
+
 }  // namespace
 
 StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
@@ -136,21 +159,10 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type) {
-  StepCall call;
+  StepCall call = common_call(params, grads, pos_momentums, neg_momentums, steps, lr,
+                              lr_tensor, grad_scale, found_inf, blocks_done, decoupled);
   call.num_lists = 4;
-  call.lists[0] = params;
-  call.lists[1] = grads;
-  call.lists[2] = pos_momentums;
-  call.lists[3] = neg_momentums;
-  call.steps = steps;
   call.hyper = Hyper{beta1, 0.0, beta0, 0.0, weight_decay, maximize};
-  call.lr = lr;
-  call.lr_tensor = lr_tensor;
-  call.grad_scale = grad_scale;
-  call.found_inf = found_inf;
-  call.blocks_done = blocks_done;
-  call.adaptive = false;
-  call.decoupled = decoupled;
   check_call(call, kPnmListNames, device_type);
   return call;
 }
@@ -165,23 +177,13 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& found_inf,
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type) {
-  StepCall call;
+  StepCall call = common_call(params, grads, exp_avgs, neg_exp_avgs, steps, lr, lr_tensor,
+                              grad_scale, found_inf, blocks_done, decoupled);
   call.num_lists = amsgrad ? 6 : 5;
-  call.lists[0] = params;
-  call.lists[1] = grads;
-  call.lists[2] = exp_avgs;
-  call.lists[3] = neg_exp_avgs;
   call.lists[4] = exp_avg_sqs;
   if (amsgrad) call.lists[5] = max_exp_avg_sqs;
-  call.steps = steps;
   call.hyper = Hyper{beta1, beta2, beta0, eps, weight_decay, maximize};
-  call.lr = lr;
-  call.lr_tensor = lr_tensor;
-  call.grad_scale = grad_scale;
-  call.found_inf = found_inf;
-  call.blocks_done = blocks_done;
   call.adaptive = true;
-  call.decoupled = decoupled;
   call.amsgrad = amsgrad;
   check_call(call, kAdaPnmListNames, device_type);
   return call;
