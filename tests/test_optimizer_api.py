@@ -6,6 +6,7 @@ import io
 import math
 import pickle
 import random
+import sys
 import warnings
 
 import pytest
@@ -1283,6 +1284,7 @@ def test_unavailable_backend_says_why(monkeypatch):
     assert torch.equal(p, torch.zeros(3))
 
 
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
 def test_triton_on_cpu_without_the_interpreter_says_why(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET", raising=False)
     p = torch.zeros(3, requires_grad=True)
@@ -1290,6 +1292,16 @@ def test_triton_on_cpu_without_the_interpreter_says_why(monkeypatch):
     p.grad = torch.ones(3)
     with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
         opt.step()
+
+
+def test_triton_without_triton_installed_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    p = torch.zeros(3, requires_grad=True)
+    opt = PNM([p], backend="triton")
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(3)) and not opt.state
 
 
 def test_fused_on_a_device_without_kernels_says_why():
