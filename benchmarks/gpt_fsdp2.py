@@ -93,25 +93,8 @@ def train(name, args, device, rank):
     return tokens / elapsed, loss.item()
 
 
-def main(argv=None):
-    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
-    parser.add_argument("--steps", type=int, default=50)
-    parser.add_argument("--warmup", type=int, default=5)
-    parser.add_argument("--layers", type=int, default=6)
-    parser.add_argument("--dim", type=int, default=512)
-    parser.add_argument("--heads", type=int, default=8)
-    parser.add_argument("--seq", type=int, default=256)
-    parser.add_argument("--batch", type=int, default=16)
-    parser.add_argument("--vocab", type=int, default=8192)
-    parser.add_argument("--no-compile", dest="compile", action="store_false")
-    args = parser.parse_args(argv)
-    cuda = torch.cuda.is_available()
-    if not dist.is_initialized():
-        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", "29517")
-        dist.init_process_group("nccl" if cuda else "gloo",
-                                rank=int(os.environ.get("RANK", 0)),
-                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+def run(args, cuda):
+    """Trains with each optimizer in turn; prints and returns tokens/s and final losses."""
     rank = dist.get_rank()
     device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", 0))) if cuda else torch.device("cpu")
     if cuda:
@@ -126,7 +109,34 @@ def main(argv=None):
         for name, (tps, loss) in results.items():
             print(f"  {name:<14} {tps:12,.0f} tokens/s   final loss {loss:.3f}")
         print(f"  AdaPNM / AdamW throughput: {results['AdaPNM'][0] / results['AdamW[fused]'][0]:.3f}")
-    dist.destroy_process_group()
+    return results
+
+
+def main(argv=None):
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=50)
+    parser.add_argument("--warmup", type=int, default=5)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--dim", type=int, default=512)
+    parser.add_argument("--heads", type=int, default=8)
+    parser.add_argument("--seq", type=int, default=256)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--vocab", type=int, default=8192)
+    parser.add_argument("--no-compile", dest="compile", action="store_false")
+    args = parser.parse_args(argv)
+    cuda = torch.cuda.is_available()
+    created = not dist.is_initialized()
+    if created:
+        os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
+        os.environ.setdefault("MASTER_PORT", "29517")
+        dist.init_process_group("nccl" if cuda else "gloo",
+                                rank=int(os.environ.get("RANK", 0)),
+                                world_size=int(os.environ.get("WORLD_SIZE", 1)))
+    try:
+        results = run(args, cuda)
+    finally:  # a failed run leaves no process group behind (tests run in one process)
+        if created:
+            dist.destroy_process_group()
     return results
 
 
