@@ -1,7 +1,8 @@
 """Builds pnm_kernels._C: fused CPU kernels (g++) and CUDA kernels (nvcc).
 
 Environment:
-  PNM_KERNELS_NO_CUDA=1   build without the CUDA sources (no nvcc needed)
+  PNM_KERNELS_NO_CUDA=1   build without the CUDA sources (no nvcc needed); automatic where
+                          nvcc is absent or torch is a CPU-only build
   TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0+PTX")
   MAX_JOBS                parallel compile jobs (default: 2)
 Install with `pip install --no-build-isolation --use-pep517 [-e] .` so the build uses the
@@ -18,13 +19,18 @@ from setuptools import find_packages, setup
 if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
+import torch
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 os.environ.setdefault("MAX_JOBS", "2")
 os.environ.setdefault("TORCH_CUDA_ARCH_LIST", "8.0;9.0+PTX")
 
-with_cuda = os.environ.get("PNM_KERNELS_NO_CUDA", "0") != "1" and (
-    shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME"))
+# CUDA kernels need nvcc and a CUDA build of torch (a CPU-only torch has no CUDA libraries to
+# link against, and cpp_extension then refuses a CUDAExtension even with nvcc on PATH).
+with_cuda = (
+    os.environ.get("PNM_KERNELS_NO_CUDA", "0") != "1"
+    and torch.version.cuda is not None
+    and (shutil.which("nvcc") is not None or bool(os.environ.get("CUDA_HOME")))
 )
 
 # No contraction into FMA: the CPU kernel is bitwise equal to the emulated CUDA block body
@@ -86,5 +92,5 @@ setup(
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    install_requires=["torch>=2.4"],
+    install_requires=["torch>=2.6"],  # see README, "How it is tested"
 )

@@ -57,7 +57,9 @@ def cpu_isa() -> str:
 def default_cpu_isa() -> str:
     """The level torch's own CPU kernels run at (torch.backends.cpu.get_cpu_capability(), which
     the ATEN_CPU_CAPABILITY environment variable caps), within what this CPU and build have."""
-    wanted = {"DEFAULT": "baseline", "AVX2": "avx2"}.get(torch.backends.cpu.get_cpu_capability())
+    # "NO AVX": how torch 2.6 names the baseline level.
+    levels = {"DEFAULT": "baseline", "NO AVX": "baseline", "AVX2": "avx2"}
+    wanted = levels.get(torch.backends.cpu.get_cpu_capability())
     have = cpu_isas()
     return wanted if wanted in have else have[-1]
 

@@ -758,8 +758,9 @@ class _PositiveNegativeMomentum(Optimizer):
                     lr_dtype = (torch.float64
                                 if params[start].dtype in (torch.float64, torch.complex128)
                                 else torch.float32)
-                    batch_hp = dict(hp, lr=torch.ones((), dtype=lr_dtype, device=device)
-                                    * hp["lr"])
+                    # ({**hp}: torch 2.6's dynamo cannot trace dict(hp, lr=...).)
+                    batch_hp = {**hp, "lr": torch.ones((), dtype=lr_dtype, device=device)
+                                * hp["lr"]}
                 batch, writebacks = _kernel_batch(
                     params[start:end], grads[start:end], [b[start:end] for b in buffers],
                     steps[start:end], flat, copies)

@@ -18,6 +18,7 @@ NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+@pytest.mark.skipif(torch.version.cuda is None, reason="a CPU-only torch has no CUDA headers")
 def test_cuda_kernels_use_128_bit_accesses_and_no_local_memory(tmp_path):
     include = os.path.join(os.path.dirname(torch.__file__), "include")
     ptx = tmp_path / "pnm_cuda.ptx"  # kept from the one compilation to machine code
