@@ -66,6 +66,10 @@ stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SET
 # ships with (step_chunk_size in csrc/multi_tensor_apply.h; run 14's sweep chose it).
 stage chunk_sweep 60 python3 benchmarks/chunk_sweep.py --sets flat1M,transformer,gpt2-124m,flat64M,flat256M \
   --dtypes float32,bfloat16,float64 --rounds 9 --out "$WORK"
+# Host time of a launch by the size of its argument (the fused step's table is about 30 KB at
+# any step size): whether a table sized to the step would cut a small step's host time.
+stage launch_params 30 bash -c 'nvcc -O2 -std=c++17 -arch=sm_90 benchmarks/launch_params.cu \
+  -o "$1/launch_params" && "$1/launch_params"' _ "$WORK"
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
   --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled \
   --out "$WORK"
@@ -116,6 +120,7 @@ for f in "$WORK"/bench_step-cuda-*.md; do
 done
 grep -E "\[fused\]|torch.compile\]" "$WORK/compiled/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
 cat "$WORK/chunk_sweep.md" 2>/dev/null
+cat "$WORK/launch_params.log" 2>/dev/null
 grep -A6 "^best" "$WORK/tune_triton.log" 2>/dev/null
 tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
 tail -3 "$WORK/memcheck.log" 2>/dev/null

@@ -195,6 +195,23 @@ def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_
     assert "AdaPNM ÷ Adam-amsgrad, effective GB/s: bare loop" in out
 
 
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
+
+
+@pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
+def test_launch_argument_benchmark_builds_for_the_gpu_check(tmp_path):
+    """benchmarks/launch_params.cu runs only on a lent GPU (gpu_check.sh); it must build."""
+    import subprocess
+
+    source = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "launch_params.cu")
+    done = subprocess.run([NVCC, "-O2", "-std=c++17", "-arch=sm_90", source, "-o",
+                           str(tmp_path / "launch_params")], capture_output=True, text=True,
+                          timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert (tmp_path / "launch_params").stat().st_size > 0
+
+
 def test_triton_host_script_times_the_step_without_launching(capsys):
     pytest.importorskip("triton")
     if extension_error() is not None:
