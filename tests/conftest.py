@@ -2,6 +2,7 @@
 TRITON_INTERPRET must be set before triton.jit decorates them, so it is set here."""
 import copy
 import os
+import shutil
 
 import pytest
 import torch
@@ -24,6 +25,10 @@ except ImportError:
     HAS_TRITON = False
 
 DEVICE = "cuda" if HAS_CUDA else "cpu"
+# nvcc, for the checks that compile CUDA code without a GPU (on our machines /usr/local/bin/nvcc
+# is a wrapper; the toolkit's own is the fallback).
+NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
+                                if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 # Every fast path, as (backend name, device, emulate CUDA on the CPU).
 # "emulated" is backend="fused" on CPU tensors with PNM_KERNELS_EMULATE_CUDA=1: the CUDA

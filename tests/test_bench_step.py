@@ -12,8 +12,8 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
 import bench_step  # noqa: E402
 from compiled_peer import CompiledAdaPNM, CompiledPNM  # noqa: E402
-from conftest import (DEVICE, OPTIMIZERS, clone_params, make_params, requires_extension,  # noqa: E402
-                      train)
+from conftest import (DEVICE, NVCC, OPTIMIZERS, clone_params, make_params,  # noqa: E402
+                      requires_extension, train)
 from pnm_kernels import available_backends  # noqa: E402
 from pnm_kernels._ops import extension_error  # noqa: E402
 
@@ -195,10 +195,6 @@ def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_
         assert f"| {family} | bare loop |" in out
     assert "| PNM | pnm_kernels fused |" in out and "| AdaPNM | pnm_kernels fused |" in out
     assert "AdaPNM ÷ Adam-amsgrad, effective GB/s: bare loop" in out
-
-
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
-                                if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")

@@ -5,16 +5,14 @@ register and, but for fp64 AdaPNM-AMSGrad, leaves room for two blocks per SM (pt
 report)."""
 import os
 import re
-import shutil
 import subprocess
 import sysconfig
 
 import pytest
 import torch
+from conftest import NVCC
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
-                                if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
