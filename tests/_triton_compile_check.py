@@ -38,7 +38,10 @@ def hopper_config(dtype, adaptive):
 
 def compile_kernel(fn, signature, consts, num_warps):
     signature = dict(signature, **{k: "constexpr" for k in consts})
-    source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    try:
+        source = ASTSource(fn=fn, signature=signature, constexprs=consts)
+    except TypeError:  # triton < 3.3 calls them constants
+        source = ASTSource(fn=fn, signature=signature, constants=consts)
     return triton.compile(source, target=TARGET, options={"num_warps": num_warps})
 
 
