@@ -89,6 +89,7 @@ setup(
     version="0.1.0",
     description="Fused CUDA/Triton/CPU kernels for the Positive-Negative Momentum optimizers",
     packages=find_packages(include=["pnm_kernels", "pnm_kernels.*"]),
+    package_data={"pnm_kernels": ["py.typed"]},  # typed: type checkers read its hints
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",

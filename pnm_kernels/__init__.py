@@ -1,5 +1,7 @@
 """Fused CUDA, Triton and CPU kernels for the Positive-Negative Momentum optimizers
 (PNM and AdaPNM, Xie et al., ICML 2021)."""
+import torch
+
 from . import _ops  # noqa: F401  (loads the compiled extension when it is built)
 from .optimizers import BACKENDS, PNM, AdaPNM
 
@@ -7,10 +9,9 @@ __all__ = ["PNM", "AdaPNM", "BACKENDS", "available_backends"]
 __version__ = "0.1.0"
 
 
-def available_backends(device="cpu", dtype=None):
+def available_backends(device: str | torch.device = "cpu",
+                       dtype: torch.dtype | None = None) -> list[str]:
     """The backends that can run tensors of ``dtype`` (default float32) on ``device``."""
-    import torch
-
     from ._backends import resolve_backend
 
     device, dtype = torch.device(device), dtype or torch.float32

@@ -320,7 +320,7 @@ def triton_unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optio
     if dtype not in TRITON_DTYPES:
         return f"the Triton kernels take float32, float16 and bfloat16, not {dtype}"
     try:
-        import triton  # noqa: F401
+        import triton  # type: ignore[import-untyped]  # noqa: F401
     except ImportError as e:
         return f"triton is not installed ({e})"
     if device.type == "cuda":

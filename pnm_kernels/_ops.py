@@ -7,7 +7,7 @@ import torch
 
 _EXTENSION_ERROR: Optional[str] = None
 try:
-    from . import _C  # noqa: F401  (importing registers the ops)
+    from . import _C  # type: ignore[attr-defined]  # noqa: F401  (registers the ops)
 except ImportError as e:  # a Triton-only or pure-Python install is legitimate
     _EXTENSION_ERROR = str(e)
 
@@ -61,7 +61,7 @@ def default_cpu_isa() -> str:
     levels = {"DEFAULT": "baseline", "NO AVX": "baseline", "AVX2": "avx2"}
     wanted = levels.get(torch.backends.cpu.get_cpu_capability())
     have = cpu_isas()
-    return wanted if wanted in have else have[-1]
+    return wanted if wanted is not None and wanted in have else have[-1]
 
 
 def set_cpu_isa(isa: Optional[str] = None) -> str:

@@ -11,6 +11,7 @@ from typing import Optional
 
 import torch
 from torch.optim import Optimizer
+from torch.optim.optimizer import ParamsT
 
 from . import _backends
 from ._backends import ADAPNM_BUFFERS, PNM_BUFFERS, Batch
@@ -403,7 +404,7 @@ def _normalise_loaded_state(optimizer) -> None:
 
 class _PositiveNegativeMomentum(Optimizer):
     _adaptive = False
-    _buffer_names = PNM_BUFFERS
+    _buffer_names: tuple[str, ...] = PNM_BUFFERS
     # GradScaler then hands over grad_scale/found_inf instead of unscaling on the host.
     _step_supports_amp_scaling = True
 
@@ -429,7 +430,7 @@ class _PositiveNegativeMomentum(Optimizer):
         params = param_group.get("params")
         if not isinstance(params, (torch.Tensor, set, type(None))):
             param_group["params"] = params = list(params)  # a generator can be read once
-            first = {}
+            first: dict[int, int] = {}
             for i, item in enumerate(params):
                 tensor = item[1] if isinstance(item, tuple) else item  # (name, tensor) too
                 if id(tensor) in first:
@@ -702,7 +703,7 @@ class _PositiveNegativeMomentum(Optimizer):
         return torch.empty_like(p).copy_(buffer)
 
     @torch.no_grad()
-    def step(self, closure=None):
+    def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
         loss = None
@@ -1030,8 +1031,9 @@ class PNM(_PositiveNegativeMomentum):
     _adaptive = False
     _buffer_names = PNM_BUFFERS
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 1.0), weight_decay=0.0, decoupled=True,
-                 maximize=False, backend="auto"):
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float] = (0.9, 1.0), weight_decay: float = 0.0,
+                 decoupled: bool = True, maximize: bool = False, backend: str = "auto") -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, decoupled=decoupled,
                         maximize=maximize, backend=backend)
         super().__init__(params, defaults)
@@ -1057,8 +1059,10 @@ class AdaPNM(_PositiveNegativeMomentum):
     _adaptive = True
     _buffer_names = ADAPNM_BUFFERS
 
-    def __init__(self, params, lr=1e-3, betas=(0.9, 0.999, 1.0), eps=1e-8, weight_decay=0.0,
-                 amsgrad=True, decoupled=True, maximize=False, backend="auto"):
+    def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
+                 betas: tuple[float, float, float] = (0.9, 0.999, 1.0), eps: float = 1e-8,
+                 weight_decay: float = 0.0, amsgrad: bool = True, decoupled: bool = True,
+                 maximize: bool = False, backend: str = "auto") -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         decoupled=decoupled, maximize=maximize, backend=backend)
         super().__init__(params, defaults)

@@ -16,8 +16,8 @@ from collections import OrderedDict
 from dataclasses import dataclass
 
 import torch
-import triton
-import triton.language as tl
+import triton  # type: ignore[import-untyped]
+import triton.language as tl  # type: ignore[import-untyped]
 
 from ._backends import capturing, new_blocks_done, split_lr, step_lists
 from .reference import noise_norm
