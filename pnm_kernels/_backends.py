@@ -12,8 +12,8 @@ from . import reference
 from ._ops import extension_error
 
 EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
-PNM_BUFFERS = ("pos_momentum", "neg_momentum")
-ADAPNM_BUFFERS = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+PNM_BUFFERS: tuple[str, ...] = ("pos_momentum", "neg_momentum")
+ADAPNM_BUFFERS: tuple[str, ...] = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
 # Parameter dtypes (complex ones go in as real views): the reference and foreach ops and the
 # fused kernels take all four, the Triton kernels no float64.
