@@ -243,15 +243,15 @@ namespace {
 // ---------------------------------------------------------------------------------------
 // Fused CPU kernel: one pass over memory, the elements of all tensors split evenly between
 // threads with at::parallel_for; the loops are written for the compiler's auto-vectoriser
-// (restrict pointers, no branches), fp32, fp64 and bf16 in place, fp16 through small fp32
-// tiles.
+// (restrict pointers, no branches), fp32, fp64 and bf16 in place; fp16 runs the same maths
+// on vector registers where F16C is (see Lanes), elsewhere through small fp32 tiles.
 
 constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 constexpr int64_t kCpuTile = 512;
 
 // Element access in the arithmetic type for the storage types the loops run on directly:
 // fp32 and fp64 as they are, bf16 in fp32 (a shift in, round-to-nearest-even out), all of
-// which the compiler vectorises. fp16 goes through fp32 tiles instead (see cpu_range_body).
+// which the compiler vectorises. fp16 does not: see cpu_range_body.
 #define PNM_CPU_INLINE inline __attribute__((always_inline))
 
 // std::bit_cast, which the C++17 that older torch builds extensions with lacks.
@@ -386,6 +386,123 @@ __attribute__((target("avx512f,avx2,f16c"))) inline void from_float_avx512(const
 }
 #endif
 
+#ifdef PNM_X86_AVX2
+// fp16 in registers: F16C widens 8 (AVX2) or 16 (AVX-512) elements at once and the element
+// maths of pnm_math.h runs on them as GCC vector types, whose + * / and ?: act lane by lane
+// with IEEE rounding (no FMA: -ffp-contract=off), so every lane computes what the scalar loop
+// computes. This spares the fp32 tiles' store and reload of every array, in and out, which
+// bound the fp16 step (conversions and those stores, not memory; see cpu_isa.md).
+// (Vector types of their own: __m256/__m512 carry may_alias, which template arguments drop.)
+typedef float F32x8 __attribute__((vector_size(32)));
+typedef float F32x16 __attribute__((vector_size(64)));
+template <class V>
+struct Lanes {
+  V v;
+};
+template <class V>
+PNM_CPU_INLINE Lanes<V> operator+(Lanes<V> a, Lanes<V> b) { return {a.v + b.v}; }
+template <class V>
+PNM_CPU_INLINE Lanes<V> operator*(Lanes<V> a, Lanes<V> b) { return {a.v * b.v}; }
+template <class V>
+PNM_CPU_INLINE Lanes<V> operator/(Lanes<V> a, Lanes<V> b) { return {a.v / b.v}; }
+template <class V>
+PNM_CPU_INLINE Lanes<V> splat(float x) {
+  Lanes<V> out;
+  for (size_t i = 0; i < sizeof(V) / sizeof(float); ++i) out.v[i] = x;
+  return out;
+}
+
+// The F16C conversions and the square root. Not always_inline: GCC refuses to force a
+// target's instructions into the ISA-neutral templates above them; cpu_range_avx2/_avx512
+// are `flatten`, which inlines them there, in a function of their target.
+struct HalfLanes8 {
+  using V = Lanes<F32x8>;
+  static constexpr int kLanes = 8;
+  __attribute__((target("avx2,f16c"))) static inline V load(const c10::Half* src) {
+    return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)))};
+  }
+  __attribute__((target("avx2,f16c"))) static inline void store(c10::Half* dst, V x) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst),
+                     _mm256_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+__attribute__((target("avx2,f16c"))) inline Lanes<F32x8> square_root(Lanes<F32x8> x) {
+  return {_mm256_sqrt_ps(x.v)};
+}
+// pnm_math.h's nan_max lane by lane (found by argument-dependent lookup): a > b ? a : b,
+// then a NaN b, then a NaN a wins. (Written with GCC's vector ?: instead, the 16-lane form
+// compiled to one scalar compare per lane.)
+__attribute__((target("avx2,f16c"))) inline Lanes<F32x8> nan_max(Lanes<F32x8> a,
+                                                                   Lanes<F32x8> b) {
+  __m256 r = _mm256_blendv_ps(b.v, a.v, _mm256_cmp_ps(a.v, b.v, _CMP_GT_OQ));
+  r = _mm256_blendv_ps(r, b.v, _mm256_cmp_ps(b.v, b.v, _CMP_UNORD_Q));
+  return {_mm256_blendv_ps(r, a.v, _mm256_cmp_ps(a.v, a.v, _CMP_UNORD_Q))};
+}
+
+struct HalfLanes16 {
+  using V = Lanes<F32x16>;
+  static constexpr int kLanes = 16;
+  __attribute__((target("avx512f,avx2,f16c"))) static inline V load(const c10::Half* src) {
+    return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(src)))};
+  }
+  __attribute__((target("avx512f,avx2,f16c"))) static inline void store(c10::Half* dst, V x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst),
+                        _mm512_cvtps_ph(x.v, _MM_FROUND_TO_NEAREST_INT));
+  }
+};
+__attribute__((target("avx512f,avx2,f16c"))) inline Lanes<F32x16> square_root(Lanes<F32x16> x) {
+  return {_mm512_sqrt_ps(x.v)};
+}
+__attribute__((target("avx512f,avx2,f16c"))) inline Lanes<F32x16> nan_max(Lanes<F32x16> a,
+                                                                           Lanes<F32x16> b) {
+  __m512 r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, b.v, _CMP_GT_OQ), b.v, a.v);
+  r = _mm512_mask_blend_ps(_mm512_cmp_ps_mask(b.v, b.v, _CMP_UNORD_Q), r, b.v);
+  return {_mm512_mask_blend_ps(_mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q), r, a.v)};
+}
+
+// One tensor's coefficients in every lane.
+template <class H>
+PNM_CPU_INLINE Coeffs<typename H::V> splat_coeffs(const Coeffs<float>& c) {
+  using V = decltype(H::V::v);
+  Coeffs<typename H::V> out;
+  out.decay = splat<V>(c.decay);
+  out.l2 = splat<V>(c.l2);
+  out.b1_sq = splat<V>(c.b1_sq);
+  out.one_minus_b1_sq = splat<V>(c.one_minus_b1_sq);
+  out.b2 = splat<V>(c.b2);
+  out.one_minus_b2 = splat<V>(c.one_minus_b2);
+  out.pos_coef = splat<V>(c.pos_coef);
+  out.neg_coef = splat<V>(c.neg_coef);
+  out.inv_noise_norm = splat<V>(c.inv_noise_norm);
+  out.neg_step_size = splat<V>(c.neg_step_size);
+  out.bc2_sqrt = splat<V>(c.bc2_sqrt);
+  out.eps = splat<V>(c.eps);
+  return out;
+}
+
+// The whole vectors of an fp16 range, in registers; returns how many elements it did (the
+// rest, fewer than kLanes, go through a tile).
+template <class H, class Algo>
+PNM_CPU_INLINE int64_t half_lanes_loop(c10::Half* const* x, int64_t n,
+                                       const Coeffs<float>& coeffs, float gf) {
+  using V = typename H::V;
+  constexpr int L = Algo::kLists;
+  const Coeffs<V> c = splat_coeffs<H>(coeffs);
+  const V grad_factor = splat<decltype(V::v)>(gf);
+  int64_t i = 0;
+  for (; i + H::kLanes <= n; i += H::kLanes) {
+    V e[L];
+    for (int l = 0; l < L; ++l) e[l] = H::load(x[l] + i);
+    e[1] = e[1] * grad_factor;
+    Algo::apply(e, c);
+    for (int l = 0; l < L; ++l) {
+      if (is_written(l)) H::store(x[l] + i, e[l]);
+    }
+  }
+  return i;
+}
+#endif
+
 // The tiles' conversions for the build at hand: 512-bit or 256-bit F16C, c10's otherwise.
 template <CpuIsa kIsa>
 PNM_CPU_INLINE void tile_in(const c10::Half* src, float* dst, int64_t n) {
@@ -405,7 +522,8 @@ PNM_CPU_INLINE void tile_out(const float* src, c10::Half* dst, int64_t n) {
   from_float(src, dst, n);
 }
 
-// One range of one tensor. fp32, fp64 and bf16 run the loop in place; fp16 goes through fp32
+// One range of one tensor. fp32, fp64 and bf16 run the loop in place; fp16 in vector registers
+// where F16C is (AVX2, AVX-512), its last few elements and the baseline build through fp32
 // tiles.
 template <typename T, class Algo, CpuIsa kIsa>
 PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end,
@@ -416,6 +534,14 @@ PNM_CPU_INLINE void cpu_range_body(const CpuTensorWork<T, Algo>& w, int64_t begi
     for (int l = 0; l < L; ++l) x[l] = w.ptr[l] + begin;
     cpu_loop_body(Algo{}, x, end - begin, w.coeffs, gf);
   } else {
+#ifdef PNM_X86_AVX2
+    if constexpr (kIsa != CpuIsa::kBaseline) {
+      using H = std::conditional_t<kIsa == CpuIsa::kAvx512, HalfLanes16, HalfLanes8>;
+      c10::Half* x[L];
+      for (int l = 0; l < L; ++l) x[l] = w.ptr[l] + begin;
+      begin += half_lanes_loop<H, Algo>(x, end - begin, w.coeffs, gf);
+    }
+#endif
     float tile[L][kCpuTile];
     float* x[L];
     for (int l = 0; l < L; ++l) x[l] = tile[l];
@@ -443,14 +569,14 @@ void cpu_range_baseline(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t 
 
 #ifdef PNM_X86_AVX2
 template <typename T, class Algo>
-__attribute__((target("avx2,f16c"))) void cpu_range_avx2(const CpuTensorWork<T, Algo>& w,
+__attribute__((target("avx2,f16c"), flatten)) void cpu_range_avx2(const CpuTensorWork<T, Algo>& w,
                                                           int64_t begin, int64_t end,
                                                           opmath_t<T> gf) {
   cpu_range_body<T, Algo, CpuIsa::kAvx2>(w, begin, end, gf);
 }
 
 template <typename T, class Algo>
-__attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"))) void cpu_range_avx512(
+__attribute__((target("avx512f,avx512bw,avx512vl,avx2,f16c"), flatten)) void cpu_range_avx512(
     const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, opmath_t<T> gf) {
   cpu_range_body<T, Algo, CpuIsa::kAvx512>(w, begin, end, gf);
 }

@@ -469,3 +469,32 @@ def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, each
     for x, y in zip(runs["pnm_step_"], runs["emulated_cuda_pnm_step_"]):
         assert torch.equal(x.view(torch.int16), y.view(torch.int16))
     assert runs["pnm_step_"][0].isnan().any()  # the specials did reach the stored values
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_adapnm_special_values_in_every_lane_match_the_emulated_cuda_body(dtype, each_cpu_isa):
+    """AdaPNM-AMSGrad with the same specials: the running maximum keeps its larger old values
+    and NaNs and takes every new NaN (torch.maximum's rule), in the vector lanes and the scalar
+    tail alike, bit for bit as the emulated CUDA body (520 elements: 32 vectors of 16 and a
+    tail of 8)."""
+    info = torch.finfo(dtype)
+    specials = torch.tensor([float("nan"), float("inf"), -float("inf"), info.max, -info.max,
+                             info.tiny, info.tiny / 4, 0.0, -0.0, 1.0, 1 + info.eps / 2, 3e38])
+    gen = torch.Generator().manual_seed(0)
+    grads = [torch.cat([torch.randn(500, generator=gen), specials, specials[:8]]).to(dtype)]
+    runs = {}
+    for op in ADA_OPS:
+        params = [torch.randn(520, generator=torch.Generator().manual_seed(1)).to(dtype)]
+        old_max = torch.rand(520, generator=torch.Generator().manual_seed(2)) * 3
+        old_max[[3, 100, 517]] = float("nan")  # a NaN maximum stays, whatever v is
+        bufs = [[torch.zeros_like(params[0])], [torch.ones_like(params[0])],
+                [torch.zeros_like(params[0])], [old_max.to(dtype)]]
+        steps = [torch.zeros(())]
+        for _ in range(3):
+            getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps,
+                                               **adapnm_kwargs(beta2=0.5))
+        runs[op] = [params[0]] + [b[0] for b in bufs]
+    for x, y in zip(runs[ADA_OPS[0]], runs[ADA_OPS[1]], strict=True):
+        assert torch.equal(x.view(torch.int16), y.view(torch.int16))
+    v, v_max = runs[ADA_OPS[0]][3], runs[ADA_OPS[0]][4]
+    assert v_max.isnan().any() and (v_max > v).any()  # NaNs taken, larger old maxima kept
