@@ -388,10 +388,11 @@ __attribute__((target("avx512f,avx2,f16c"))) inline void from_float_avx512(const
 
 #ifdef PNM_X86_AVX2
 // fp16 in registers: F16C widens 8 (AVX2) or 16 (AVX-512) elements at once and the element
-// maths of pnm_math.h runs on them as GCC vector types, whose + * / and ?: act lane by lane
-// with IEEE rounding (no FMA: -ffp-contract=off), so every lane computes what the scalar loop
-// computes. This spares the fp32 tiles' store and reload of every array, in and out, which
-// bound the fp16 step (conversions and those stores, not memory; see cpu_isa.md).
+// maths of pnm_math.h runs on them as GCC vector types, whose + * / act lane by lane with
+// IEEE rounding (no FMA: -ffp-contract=off; nan_max and the square root below), so every
+// lane computes what the scalar loop computes. This spares the fp32 tiles' store and reload
+// of every array, in and out, which bound the fp16 step (on the transformer set AdaPNM went
+// from 0.8 to 1.05 of torch's fused fp16 GB/s: benchmarks/results/cpu_fp16_lanes.md).
 // (Vector types of their own: __m256/__m512 carry may_alias, which template arguments drop.)
 typedef float F32x8 __attribute__((vector_size(32)));
 typedef float F32x16 __attribute__((vector_size(64)));
@@ -569,9 +570,8 @@ void cpu_range_baseline(const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t 
 
 #ifdef PNM_X86_AVX2
 template <typename T, class Algo>
-__attribute__((target("avx2,f16c"), flatten)) void cpu_range_avx2(const CpuTensorWork<T, Algo>& w,
-                                                          int64_t begin, int64_t end,
-                                                          opmath_t<T> gf) {
+__attribute__((target("avx2,f16c"), flatten)) void cpu_range_avx2(
+    const CpuTensorWork<T, Algo>& w, int64_t begin, int64_t end, opmath_t<T> gf) {
   cpu_range_body<T, Algo, CpuIsa::kAvx2>(w, begin, end, gf);
 }
 
