@@ -75,7 +75,8 @@ def run_foreach(adaptive, batch, hp, grad_scale, found_inf):
     if hp["maximize"]:
         grads = torch._foreach_neg(grads)
     if hp["decoupled"]:
-        torch._foreach_mul_(params, 1 - lr * wd)
+        if 1 - lr * wd != 1:  # times exactly 1 changes no bit: a pass over params saved
+            torch._foreach_mul_(params, 1 - lr * wd)
     else:
         grads = torch._foreach_add(grads, params, alpha=wd)
     pos, neg = batch.buffers[0], batch.buffers[1]

@@ -320,3 +320,29 @@ def test_the_triton_step_refuses_lists_it_would_read_past(missing):
     with pytest.raises(RuntimeError, match="needs as many gradients, step counters and 4"):
         triton_kernels.step(True, batch, hp, None, None)
     assert all(not p.any() for p in params)
+
+
+@pytest.mark.parametrize("weight_decay", [0.0, 0.1])
+@pytest.mark.parametrize("name,options", CONFIGS,
+                         ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
+                              for n, o in CONFIGS])
+def test_foreach_on_the_cpu_is_the_references_maths_bit_for_bit(name, options, weight_decay):
+    """The foreach backend batches the reference's torch ops in the reference's order, so on
+    the CPU it gives the reference's bits, inf, NaN and -0.0 parameters included; the decay
+    pass it skips when the factor is exactly 1 changes none of them."""
+    torch.manual_seed(0)
+    start = [torch.randn(s) for s in [(7,), (300, 5), (1,), ()]]
+    start[0][2], start[1][0, 0], start[1][1, 1] = float("inf"), float("nan"), -0.0
+    runs = {}
+    for backend in ("foreach", "reference"):
+        params = [torch.nn.Parameter(p.clone()) for p in start]
+        opt = OPTIMIZERS[name](params, lr=1e-2, weight_decay=weight_decay, backend=backend,
+                               **options)
+        for t in range(6):
+            gen = torch.Generator().manual_seed(t)
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            opt.step()
+        runs[backend] = params + [v for p in params for v in opt.state[p].values()]
+    for x, y in zip(runs["foreach"], runs["reference"], strict=True):
+        assert torch.equal(x.reshape(-1).view(torch.int32), y.reshape(-1).view(torch.int32))
