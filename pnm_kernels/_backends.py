@@ -74,9 +74,10 @@ def run_foreach(adaptive, batch, hp, grad_scale, found_inf):
         grads = torch._foreach_div(grads, grad_scale)
     if hp["maximize"]:
         grads = torch._foreach_neg(grads)
+    decay = 1 - lr * wd
     if hp["decoupled"]:
-        if 1 - lr * wd != 1:  # times exactly 1 changes no bit: a pass over params saved
-            torch._foreach_mul_(params, 1 - lr * wd)
+        if decay != 1:  # times exactly 1 changes no bit: a pass over params saved
+            torch._foreach_mul_(params, decay)
     else:
         grads = torch._foreach_add(grads, params, alpha=wd)
     pos, neg = batch.buffers[0], batch.buffers[1]
