@@ -6,7 +6,7 @@
 
 Every contender runs in this one process, interleaved round by round, warm-up excluded; the
 figure kept is the median over rounds. Throughput is "effective GB/s": the minimum bytes the
-algorithm must move (DESIGN.md §2) times the parameter count, divided by the step time, also
+algorithm must move (docs/design.md §2) times the parameter count, divided by the step time, also
 shown as a fraction of this device's measured copy bandwidth. Ratios to torch's fused
 optimizers are medians of per-round paired ratios, so slow drift in a shared machine's speed
 cancels. Writes a Markdown table (also printed), a JSON with every figure and the machine, and
@@ -14,11 +14,9 @@ a PNG plot.
 """
 import argparse
 import dataclasses
-import datetime
 import json
 import logging
 import os
-import platform
 import statistics
 import sys
 import time
@@ -26,75 +24,13 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-import pnm_kernels  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size  # noqa: E402
 from pnm_kernels._backends import TRITON_DTYPES  # noqa: E402
+from bench_common import (BYTES_PER_ELEMENT, SETS, STATE_COPIES, copy_bandwidth,  # noqa: E402
+                          load_triton_configs, machine_info, synchronize, timed_steps)
 from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 
-# Bytes per element per step (fp32; scaled by the element size for other dtypes).
-BYTES_PER_ELEMENT = {"PNM": 24, "AdaPNM": 40, "SGD-momentum": 20, "Adam-amsgrad": 36}
-# State tensors per parameter tensor (amsgrad on).
-STATE_COPIES = {"PNM": 2, "AdaPNM": 4, "SGD-momentum": 1, "Adam-amsgrad": 3}
-
-
-def transformer_shapes(d=512, layers=6, vocab=8192, ff=4):
-    """A GPT-style stack: ~23M parameters in ~75 tensors."""
-    shapes = [(vocab, d), (1024, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d,), (d, 3 * d), (3 * d,), (d, d), (d,), (d,), (d,),
-                   (d, ff * d), (ff * d,), (ff * d, d), (d,)]
-    return shapes + [(d,), (d,)]
-
-
-def gpt2_124m_shapes():
-    return transformer_shapes(d=768, layers=12, vocab=50257)
-
-
-def resnet50_shapes():
-    """torchvision's ResNet-50: 25.6M parameters in 161 tensors (conv weights, BN, fc)."""
-    shapes = [(64, 3, 7, 7), (64,), (64,)]
-    in_ch = 64
-    for width, blocks in ((64, 3), (128, 4), (256, 6), (512, 3)):
-        for b in range(blocks):
-            shapes += [(width, in_ch, 1, 1), (width,), (width,),
-                       (width, width, 3, 3), (width,), (width,),
-                       (4 * width, width, 1, 1), (4 * width,), (4 * width,)]
-            if b == 0:
-                shapes += [(4 * width, in_ch, 1, 1), (4 * width,), (4 * width,)]
-            in_ch = 4 * width
-    return shapes + [(1000, 2048), (1000,)]
-
-
-def llama_1b_shapes():
-    """A Llama-3.2-1B-style decoder: 1.24B parameters in 146 tensors (tied embeddings)."""
-    d, layers, ff, kv, vocab = 2048, 16, 8192, 512, 128256
-    shapes = [(vocab, d)]
-    for _ in range(layers):
-        shapes += [(d,), (d, d), (kv, d), (kv, d), (d, d), (d,), (ff, d), (ff, d), (d, ff)]
-    return shapes + [(d,)]
-
-
-def small_tensors_shapes(n=2000):
-    """2,000 small tensors (biases, norms, adapters): where launch and host overheads show."""
-    return [((i * 37) % 1500 + 64,) for i in range(n)]
-
-
-def tiny_tensors_shapes(n=2000):
-    """2,000 tensors of 16 elements: the step is almost all host work (grouping, checks,
-    argument conversion, launch), which is what a GPU step over many small tensors pays."""
-    return [(16,)] * n
-
-
-SETS = {
-    "transformer": transformer_shapes,
-    "small2000": small_tensors_shapes,
-    "tiny2000": tiny_tensors_shapes,
-    "gpt2-124m": gpt2_124m_shapes,
-    "resnet50": resnet50_shapes,
-    "llama-1b": llama_1b_shapes,
-    **{f"flat{n}M": (lambda n=n: [(n << 20,)]) for n in (1, 4, 16, 64, 256, 1024)},
-}
 DEFAULT_SETS = {"cpu": ["tiny2000", "small2000", "resnet50", "transformer", "flat1M", "flat16M",
                         "flat64M"],
                 "cuda": ["tiny2000", "small2000", "resnet50", "transformer", "gpt2-124m", "llama-1b",
@@ -151,20 +87,6 @@ def _compiled(opt):
     return opt
 
 
-def synchronize(device):
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def copy_bandwidth(device, numel, repeats=10):
-    """Measured read+write bandwidth of a large device-to-device copy, in GB/s (CUDA events
-    on a GPU, where a host clock around a millisecond copy would add its own overhead)."""
-    src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.zeros_like(src)  # touched: no page faults inside the timed copies
-    times = [timed(lambda: dst.copy_(src), device)[0] for _ in range(repeats + 2)]
-    return 2 * src.numel() * 4 / statistics.median(times[2:]) / 1e9
-
-
 class Progress:
     """A one-line progress bar on stderr."""
 
@@ -194,37 +116,6 @@ def fits_in_memory(family_bytes, numel, dtype, device):
     except (OSError, StopIteration):
         return True
     return need < avail
-
-
-def timed(fn, device, calls=1):
-    """(seconds per call, host seconds per call) over `calls` calls of fn. On a GPU the first
-    is measured with CUDA events and the second is the time the host took to issue the calls
-    (what a step over many small tensors is bound by); on a CPU they are the same wall-clock
-    time. On a GPU one untimed call runs first and the start event is queued behind it, as a
-    training loop queues its step behind the backward pass: the GPU does not sit idle while
-    the host issues the first timed call (a bias of host time / calls: 2-5 % of a 2^26-element
-    bf16 step on an H200), yet a step bound by its host time still shows that time."""
-    if device == "cuda":
-        start, stop = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        fn()
-        start.record()
-        t0 = time.perf_counter()
-        for _ in range(calls):
-            fn()
-        host = time.perf_counter() - t0
-        stop.record()
-        stop.synchronize()
-        return start.elapsed_time(stop) / 1e3 / calls, host / calls
-    t0 = time.perf_counter()
-    for _ in range(calls):
-        fn()
-    t = (time.perf_counter() - t0) / calls
-    return t, t
-
-
-def timed_steps(opt, device, steps):
-    """(seconds per step, host seconds per step) over `steps` optimizer steps."""
-    return timed(opt.step, device, steps)
 
 
 def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
@@ -336,29 +227,6 @@ def versus_peer(row, peer):
                 gbps_vs_torch_fused=row["gbps"] / peer["gbps"], compared="ratio of medians")
 
 
-def machine_info(device, args):
-    info = dict(date=datetime.datetime.now().isoformat(timespec="seconds"),
-                command=" ".join([os.path.basename(sys.executable)] + sys.argv),
-                torch=torch.__version__, cuda=torch.version.cuda, python=platform.python_version(),
-                pnm_kernels=pnm_kernels.__version__, device=device,
-                cpu=platform.processor() or platform.machine(), threads=torch.get_num_threads())
-    try:
-        with open("/proc/cpuinfo") as f:
-            info["cpu"] = next(line.split(":", 1)[1].strip() for line in f
-                               if line.startswith("model name"))
-    except (OSError, StopIteration):
-        pass
-    try:
-        import triton
-        info["triton"] = triton.__version__
-    except ImportError:
-        info["triton"] = None
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name()
-        info["driver"] = torch.cuda.driver_version() if hasattr(torch.cuda, "driver_version") else None
-    return info
-
-
 def write_table(results, copy_gbps, info):
     gpu = info["device"] == "cuda"  # there the host's time to issue a step is its own column
     lines = [f"Device: {info.get('gpu') or info['cpu']} ({info['device']}, {info['threads']} threads), "
@@ -447,7 +315,7 @@ def main(argv=None):
                         help="leave out the torch.compile'd contenders (compiling takes minutes)")
     parser.add_argument("--triton-configs", metavar="TUNE_JSON",
                         help="run the Triton backend with the best launch configurations of a "
-                             "benchmarks/tune_triton.py run instead of the built-in table")
+                             "benchmarks/experiments/tune_triton.py run instead of the built-in table")
     parser.add_argument("--fused-chunk", type=int, metavar="ELEMENTS",
                         help="elements each block of the fused CUDA step updates (a multiple "
                              f"of 8; shipped {cuda_chunk_size(torch.float32)} for fp32, "
@@ -466,9 +334,8 @@ def main(argv=None):
     steps_per_round = 2 if args.quick else (10 if device == "cuda" else 3)
     info = machine_info(device, args)
     if args.triton_configs:
-        from tune_triton import load_best
         from pnm_kernels.triton_kernels import set_launch_config
-        configs = load_best(args.triton_configs)
+        configs = load_triton_configs(args.triton_configs)
         set_launch_config(configs)
         info["triton_configs"] = {
             f"{str(dt).removeprefix('torch.')}/{'AdaPNM' if ada else 'PNM'}": dataclasses.asdict(c)

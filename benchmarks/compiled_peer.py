@@ -1,4 +1,4 @@
-"""PNM and AdaPNM as a user could write them instead of using fused kernels: DESIGN.md §1 in
+"""PNM and AdaPNM as a user could write them instead of using fused kernels: docs/design.md §1 in
 torch._foreach ops over the whole group, compiled by torch.compile into one graph per step.
 
 A peer for bench_step.py, checked against the reference in tests/test_bench_step.py. It is

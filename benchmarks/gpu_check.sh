@@ -1,10 +1,12 @@
 #!/usr/bin/env bash
 # One call on a lent GPU machine (see the device tool's README): build for the chip, run the
 # test suite on CUDA tensors, the benchmarks, Triton launch configurations
-# (benchmarks/tune_triton.py), compute-sanitizer memcheck on a small step and the GPT/FSDP2
+# (benchmarks/experiments/tune_triton.py), compute-sanitizer memcheck on a small step and the GPT/FSDP2
 # example. Every stage has a time limit inside one overall deadline, so the call always ends
-# with its logs packed: $OUT/gpu_check.tgz (default OUT=benchmarks/results/gpu).
-# Unpack it into benchmarks/results/ and commit it with the device, versions and this command.
+# with its logs packed: $OUT/gpu_check.tgz (default OUT=benchmarks/results/gpu, ignored by git).
+# Commit only what lasts: the bench_step-cuda-* tables over the old ones, and a short
+# benchmarks/results/gpu-<card>-<date>.md (what ran, versions, headline figures, test counts);
+# the logs stay out of the tree.
 #   bash benchmarks/gpu_check.sh [DEADLINE_SECONDS]   (default 575)
 # SKIP_STAGES="gpt_fsdp2 tune_triton" leaves out stages by name (to fit a short lease).
 set -uo pipefail
@@ -59,22 +61,22 @@ SETS_F32=tiny2000,small2000,resnet50,transformer,gpt2-124m,llama-1b,flat1M,flat1
 stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SETS_F32" --rounds 9 \
   --no-compiled --out "$WORK"
 # The fp32 table measures the shipped launch shapes. The fused step's chunk sizes side by side
-# in one process (run 12 on an H200 picked 4,096 for fp32 and kept 16,384 for 16-bit types):
-# on another card (an H100) this says whether they hold there too. A chunk size the sweep sets
-# holds for every step, so its flat1M rows time 4,096 as two launches (the step, then the
-# counters) and 16,384 as one, which is what a step of 0.54M-2.2M 4- or 8-byte elements now
-# ships with (step_chunk_size in csrc/multi_tensor_apply.h; run 14's sweep chose it).
-stage chunk_sweep 60 python3 benchmarks/chunk_sweep.py --sets flat1M,transformer,gpt2-124m,flat64M,flat256M \
+# in one process (the shipped 4,096 for fp32 and 16,384 for 16-bit types were chosen on an
+# H200: docs/performance.md): on another card (an H100) this says whether they hold there too.
+# A chunk size the sweep sets holds for every step, so its flat1M rows time 4,096 as two
+# launches (the step, then the counters) and 16,384 as one, which is what a step of 0.54M-2.2M
+# 4- or 8-byte elements ships with (step_chunk_size in csrc/multi_tensor_apply.h).
+stage chunk_sweep 60 python3 benchmarks/experiments/chunk_sweep.py --sets flat1M,transformer,gpt2-124m,flat64M,flat256M \
   --dtypes float32,bfloat16,float64 --rounds 9 --out "$WORK"
 # Host time of a launch by the size of its argument (the fused step's table is about 30 KB at
 # any step size): whether a table sized to the step would cut a small step's host time.
-stage launch_params 30 bash -c 'nvcc -O2 -std=c++17 -arch=sm_90 benchmarks/launch_params.cu \
+stage launch_params 30 bash -c 'nvcc -O2 -std=c++17 -arch=sm_90 benchmarks/experiments/launch_params.cu \
   -o "$1/launch_params" && "$1/launch_params"' _ "$WORK"
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
   --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled \
   --out "$WORK"
-# The fp64 kernels (fused only; run 14: 91-100 % of copy bandwidth on the large sets). 40 s
-# was too little in run 14 (the tables were written, the process was still ending).
+# The fp64 kernels (fused only). 40 s is too little: the tables get written, but the process
+# is still ending when the limit strikes.
 stage bench_fp64 60 python3 benchmarks/bench_step.py --device cuda --dtype float64 \
   --sets small2000,transformer,flat64M,flat256M --rounds 9 --no-compiled --out "$WORK"
 
@@ -97,18 +99,19 @@ print("sanitized step ran")
 PY
 SANITIZER="$(command -v compute-sanitizer || echo /usr/local/cuda/bin/compute-sanitizer)"
 stage memcheck 80 "$SANITIZER" --tool memcheck --error-exitcode 3 python3 "$WORK/sanitize_step.py"
-stage missing_grads 40 python3 benchmarks/missing_grads.py --device cuda --steps 30
-stage dtensor_step 30 python3 benchmarks/dtensor_step.py --device cuda
+stage missing_grads 40 python3 benchmarks/experiments/missing_grads.py --device cuda --steps 30
+stage dtensor_step 30 python3 benchmarks/experiments/dtensor_step.py --device cuda
 # The torch.compile'd contenders (the reference, PNM/AdaPNM in foreach ops, torch's SGD/Adam), apart from
 # the main tables: compiling takes a while, and a stage cut short writes no table, so one set.
 mkdir -p "$WORK/compiled"
 stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets transformer \
   --rounds 5 --out "$WORK/compiled"
 # Unchanged by most commits, so after the new measurements.
-stage gpt_fsdp2 100 python3 benchmarks/gpt_fsdp2.py --steps 20 --warmup 3
-# Last, within what is left of the deadline (run 6 compared bf16 candidates side by side, five
-# bench_step.py processes: results/gpu-h200-2026-11-26-run6/command.sh).
-stage tune_triton 120 python3 benchmarks/tune_triton.py --numels 67108864,268435456 \
+stage gpt_fsdp2 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3
+# Last, within what is left of the deadline. Its ranking is a hint: a choice is adopted only
+# after bench_step.py --triton-configs times it side by side with the shipped table
+# (docs/performance.md, Triton launch configurations).
+stage tune_triton 120 python3 benchmarks/experiments/tune_triton.py --numels 67108864,268435456 \
   --out "$WORK/tune_triton.json"
 
 echo "== summary"

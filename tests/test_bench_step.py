@@ -9,7 +9,9 @@ import sys
 import pytest
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", "benchmarks"))
+BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
+sys.path[:0] = [BENCHMARKS, os.path.join(BENCHMARKS, "examples"),
+                os.path.join(BENCHMARKS, "experiments")]
 import bench_step  # noqa: E402
 from compiled_peer import CompiledAdaPNM, CompiledPNM  # noqa: E402
 from conftest import (DEVICE, NVCC, OPTIMIZERS, clone_params, make_params,  # noqa: E402
@@ -48,7 +50,7 @@ def test_ratios_to_torch_are_paired_round_by_round():
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_the_compiled_peer_steps_like_the_reference_in_one_graph(name):
-    """The [user foreach+torch.compile] rows time DESIGN.md §1's maths: the peer compiled
+    """The [user foreach+torch.compile] rows time docs/design.md §1's maths: the peer compiled
     matches the reference, buffers included, over both parities, and its one graph takes the
     two momentum lists in either order (a recompile every other step would time the compiler)."""
     from torch._dynamo.testing import CompileCounter
@@ -199,10 +201,11 @@ def test_cpu_floor_script_builds_the_bare_loops_and_times_them_beside_the_fused_
 
 @pytest.mark.skipif(NVCC is None, reason="nvcc is not installed")
 def test_launch_argument_benchmark_builds_for_the_gpu_check(tmp_path):
-    """benchmarks/launch_params.cu runs only on a lent GPU (gpu_check.sh); it must build."""
+    """benchmarks/experiments/launch_params.cu runs only on a lent GPU (gpu_check.sh); it must
+    build."""
     import subprocess
 
-    source = os.path.join(os.path.dirname(__file__), "..", "benchmarks", "launch_params.cu")
+    source = os.path.join(BENCHMARKS, "experiments", "launch_params.cu")
     done = subprocess.run([NVCC, "-O2", "-std=c++17", "-arch=sm_90", source, "-o",
                            str(tmp_path / "launch_params")], capture_output=True, text=True,
                           timeout=300)

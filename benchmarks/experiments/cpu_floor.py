@@ -1,13 +1,13 @@
 """How close each fused CPU step comes to the bare loop of its own access pattern, and what
 the bare loops allow the PNM ÷ SGD-momentum and AdaPNM ÷ Adam-AMSGrad ratios to be.
 
-    python benchmarks/cpu_floor.py [--set transformer|flat] [--numel N] [--rounds 15]
+    python benchmarks/experiments/cpu_floor.py [--set transformer|flat] [--numel N] [--rounds 15]
 
-Builds the bare loops of `benchmarks/cpu_streams.cpp` (g++, the same flags as our kernel:
+Builds the bare loops of `benchmarks/experiments/cpu_streams.cpp` (g++, the same flags as our kernel:
 -O3 -fno-math-errno -ffp-contract=off, for this CPU) and times, interleaved round by round in
 this one process: each bare loop over flat fp32 arrays, our fused PNM/AdaPNM step and
 torch's fused SGD-momentum/Adam-AMSGrad step over fp32 parameters of the same total size, as
-one flat tensor (--set flat) or as the transformer set of bench_step.py (--set transformer,
+one flat tensor (--set flat) or as the transformer set of bench_common.py (--set transformer,
 the default; the bare loops then cover its total element count). A bare loop does an
 optimizer's reads, writes and arithmetic with nothing else (no per-tensor set-up, no
 dispatch), so it is the floor that optimizer's step can reach here.
@@ -25,9 +25,9 @@ import time
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
-sys.path.insert(0, os.path.join(HERE, ".."))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]  # bench_common, the checkout
 from pnm_kernels import PNM, AdaPNM  # noqa: E402
-from bench_step import BYTES_PER_ELEMENT, transformer_shapes  # noqa: E402
+from bench_common import BYTES_PER_ELEMENT, transformer_shapes  # noqa: E402
 
 
 def build_loops(workdir):

@@ -1,13 +1,13 @@
 """Times the Triton step under several launch configurations (elements per program per
 iteration, iterations per program, warps), to choose triton_kernels._CONFIGS from measurements.
 
-    python benchmarks/tune_triton.py [--numels 67108864,268435456] [--dtypes float32,bfloat16]
+    python benchmarks/experiments/tune_triton.py [--numels 67108864,268435456] [--dtypes float32,bfloat16]
                                      [--out F]
 
 On a GPU: CUDA events, median of --repeats steps after a warm-up, effective GB/s and the
 fraction of the copy bandwidth measured in the same run. For each dtype and optimizer the
 "best" configuration is the one whose slowest size (as a fraction of copy bandwidth) is
-fastest; `bench_step.py --triton-configs F` runs the Triton backend with those. Without a GPU
+fastest; `bench_step.py --triton-configs F` (bench_common.load_triton_configs) runs the Triton backend with those. Without a GPU
 it runs under the Triton interpreter on a small size, as a smoke test with no meaning for speed.
 """
 import argparse
@@ -20,11 +20,12 @@ import torch
 
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]  # bench_common, the checkout
 from pnm_kernels import PNM, AdaPNM  # noqa: E402
 from pnm_kernels.triton_kernels import LaunchConfig, set_launch_config  # noqa: E402
 
-from bench_step import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E402
+from bench_common import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E402
 
 CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4096, 4, 16),
               LaunchConfig(1024, 16, 4), LaunchConfig(2048, 4, 4), LaunchConfig(8192, 2, 16),
@@ -38,8 +39,8 @@ CANDIDATES = [LaunchConfig(2048, 8, 8), LaunchConfig(4096, 4, 8), LaunchConfig(4
 def time_step(opt, device, repeats, steps):
     """Median over `repeats` samples of the time per step over `steps` back-to-back steps, as
     bench_step times a round. One step alone would also time the host issuing it (~0.1 ms
-    for Triton, a large share of a step over 2^26 elements): an H200 run with single steps
-    (results/gpu-h200-2026-11-26-run3) ranked configurations by that bias."""
+    for Triton, a large share of a step over 2^26 elements), and a ranking by single steps
+    ranks that bias (docs/performance.md, Triton launch configurations)."""
     return statistics.median(timed_steps(opt, device, steps)[0] for _ in range(repeats))
 
 
@@ -111,14 +112,6 @@ def main(argv=None):
         with open(args.out, "w") as f:
             json.dump(dict(device=name, numels=numels, copy_gbps=copy_gbps, rows=rows, best=best),
                       f, indent=1)
-
-
-def load_best(path):
-    """The best configurations of a tune_triton.py JSON, as set_launch_config takes them."""
-    with open(path) as f:
-        best = json.load(f)["best"]
-    return {(getattr(torch, b["dtype"]), b["optimizer"] == "AdaPNM"):
-            LaunchConfig(b["block"], b["iters"], b["num_warps"]) for b in best}
 
 
 if __name__ == "__main__":

@@ -1,11 +1,11 @@
 // Host time of one kernel launch by the size of its arguments. The fused step's launch table
 // travels as a __grid_constant__ argument of about 30 KB whatever the step's size (torch's
 // multi-tensor apply passes about 4 KB); a small step's host time was 0.043 ms against
-// torch's fused SGD's 0.031 (H200, run 14). This says how much of that the argument's size
-// could be, before anything is changed for it: an empty kernel, launched in batches short
+// torch's fused SGD's 0.031 on an H200 (docs/performance.md). This says how much of that the
+// argument's size could be, before anything is changed for it: an empty kernel, launched in batches short
 // enough never to wait on a full launch queue, host time to issue them timed apart from the
 // GPU's. Run by benchmarks/gpu_check.sh (stage launch_params); built on its own:
-//   nvcc -O2 -std=c++17 -arch=sm_90 benchmarks/launch_params.cu -o /tmp/launch_params
+//   nvcc -O2 -std=c++17 -arch=sm_90 benchmarks/experiments/launch_params.cu -o /tmp/launch_params
 #include <cuda_runtime.h>
 
 #include <algorithm>

@@ -2,7 +2,7 @@
 (fused) against torch.optim.Adam(amsgrad=True), fused and foreach, on a model of many small
 Linear layers, each its own FSDP2 unit, in a process group of this process alone.
 
-    python benchmarks/dtensor_step.py [--layers 100] [--width 8] [--steps 20] [--device cuda]
+    python benchmarks/experiments/dtensor_step.py [--layers 100] [--width 8] [--steps 20] [--device cuda]
                                       [--missing 0.2]
 
 --missing F: at each step a fresh random fraction F of the parameters has no gradient (as

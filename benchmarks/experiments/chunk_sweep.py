@@ -1,6 +1,6 @@
 """The fused CUDA step's chunk size (elements a block updates), side by side in one process.
 
-    python benchmarks/chunk_sweep.py [--chunks 4096,8192,16384,32768] [--sets ...]
+    python benchmarks/experiments/chunk_sweep.py [--chunks 4096,8192,16384,32768] [--sets ...]
                                      [--dtypes float32,bfloat16] [--rounds 11] [--out DIR]
 
 One optimizer per (set, dtype, optimizer) steps the same parameters at every chunk size in
@@ -18,8 +18,9 @@ import sys
 
 import torch
 
-sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_step import SETS, machine_info, timed  # noqa: E402
+HERE = os.path.dirname(os.path.abspath(__file__))
+sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]  # bench_common, the checkout
+from bench_common import SETS, machine_info, timed  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
 from pnm_kernels._backends import TRITON_DTYPES  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size, set_launch_limits  # noqa: E402

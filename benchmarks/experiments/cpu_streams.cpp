@@ -7,9 +7,9 @@
 //
 // Standalone (times every pattern on 23.6M fp32 elements, the transformer set's size):
 //   g++ -O3 -march=native -fno-math-errno -ffp-contract=off -fopenmp \
-//       benchmarks/cpu_streams.cpp -o /tmp/cpu_streams
+//       benchmarks/experiments/cpu_streams.cpp -o /tmp/cpu_streams
 //   OMP_NUM_THREADS=2 /tmp/cpu_streams
-// As a library for benchmarks/cpu_floor.py (which builds it itself): -DCPU_STREAMS_LIBRARY
+// As a library for benchmarks/experiments/cpu_floor.py (which builds it itself): -DCPU_STREAMS_LIBRARY
 // -shared -fPIC. Each loop splits its n elements into equal contiguous shares per thread.
 #include <omp.h>
 

@@ -2,7 +2,7 @@
 that ships with scikit-learn): with 40 % symmetric label noise, does PNM with a large b0
 memorise fewer noisy labels and reach a higher test accuracy than SGD with momentum?
 
-    python benchmarks/noisy_labels.py [--seeds 2] [--epochs 150] [--noise 0.4] [--out DIR]
+    python benchmarks/examples/noisy_labels.py [--seeds 2] [--epochs 150] [--noise 0.4] [--out DIR]
 
 Learning rates follow the paper's convention: PNM gets SGD's lr, converted from torch's
 summed momentum (a step of lr/(1-b1) times the averaged gradient) to PNM's averaged (EMA)
@@ -19,7 +19,7 @@ import time
 
 import torch
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from pnm_kernels import PNM  # noqa: E402
 from pnm_kernels.reference import noise_norm  # noqa: E402
 
@@ -86,7 +86,7 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.05, help="SGD's lr (PNM: lr/(1-b1))")
     parser.add_argument("--b0", type=float, default=3.0, help="PNM's positive-negative coefficient")
     parser.add_argument("--batch", type=int, default=32)
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results"))
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     names = ["SGD", "SGD-slow", "PNM"]

@@ -3,7 +3,7 @@ of-experts layers, unused branches), against torch's fused Adam: AdaPNM (fused, 
 torch.optim.Adam(amsgrad=True, fused=True) over 2,000 tensors of 256 elements, a fraction of
 them without a gradient each step (drawn per step, the same draws for both).
 
-    python benchmarks/missing_grads.py [--steps 50] [--fractions 0,0.1,0.5] [--frozen 0.95]
+    python benchmarks/experiments/missing_grads.py [--steps 50] [--fractions 0,0.1,0.5] [--frozen 0.95]
                                        [--device cuda]
 """
 import argparse

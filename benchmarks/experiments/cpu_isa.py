@@ -2,7 +2,7 @@
 interleaved round by round in one process: PNM and AdaPNM, fp32/bf16/fp16, one tensor of
 2^20 elements (in cache) and of 23.6M (the transformer set's size, out of cache).
 
-    python benchmarks/cpu_isa.py
+    python benchmarks/experiments/cpu_isa.py
 """
 import statistics
 import time

@@ -3,7 +3,7 @@ or repeat, checks, pointer tables, arguments) with the two Triton kernels replac
 beside the fused CPU step (which also does the arithmetic) over the same tensors. On a GPU a
 launch adds its own host time on top (Triton's launcher). Best of 5 loops of --steps steps.
 
-    python benchmarks/triton_host.py [--tensors 1,76,2000] [--numel 16] [--steps 50]
+    python benchmarks/experiments/triton_host.py [--tensors 1,76,2000] [--numel 16] [--steps 50]
 """
 import argparse
 import os

@@ -1,8 +1,8 @@
 """A small GPT-style model on synthetic tokens with AMP (bf16 autocast), torch.compile and
 FSDP2 (world size 1 is fine): tokens/s for AdamW (fused) versus AdaPNM.
 
-    python benchmarks/gpt_fsdp2.py [--steps 50] [--layers 6] [--dim 512] [--no-compile]
-    torchrun --nproc-per-node N benchmarks/gpt_fsdp2.py     # several GPUs
+    python benchmarks/examples/gpt_fsdp2.py [--steps 50] [--layers 6] [--dim 512] [--no-compile]
+    torchrun --nproc-per-node N benchmarks/examples/gpt_fsdp2.py     # several GPUs
 
 Meant for a GPU (NCCL); on a CPU it runs with gloo, small sizes and no real meaning for speed
 (use --steps 3 --layers 2 --dim 64 as a smoke test).
@@ -17,7 +17,7 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", ".."))
 from pnm_kernels import AdaPNM  # noqa: E402
 
 
