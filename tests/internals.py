@@ -31,9 +31,8 @@ def count_planned_steps(opt, monkeypatch):
 
 
 def record_repeated_steps(opt, monkeypatch):
-    """A list that gets, at each step of `opt` that may repeat the last one, whether it did
-    (True) or had to plan (False); the first step of all plans without asking, and is not
-    in it. Wraps `opt._repeat_step`."""
+    """A list that gets, at each step of `opt`, whether it repeated the last step (True) or
+    had to plan (False). Wraps `opt._repeat_step`, which every step tries first."""
     repeated, repeat_step = [], opt._repeat_step
     monkeypatch.setattr(opt, "_repeat_step",
                         lambda *a: repeated.append(repeat_step(*a)) or repeated[-1])
