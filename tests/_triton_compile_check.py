@@ -10,7 +10,8 @@ import triton.language as tl
 from triton.backends.compiler import GPUTarget
 from triton.compiler import ASTSource
 
-from pnm_kernels import triton_kernels
+from internals import (triton_increment_steps_kernel, triton_launch_config,
+                       triton_step_kernel)
 
 TARGET = GPUTarget("cuda", 90, 32)
 SIGNATURE = {
@@ -31,7 +32,7 @@ def hopper_config(dtype, adaptive):
     real = torch.cuda.get_device_capability
     torch.cuda.get_device_capability = lambda device=None: (9, 0)
     try:
-        return triton_kernels.launch_config(torch.device("cuda"), dtype, adaptive)
+        return triton_launch_config(torch.device("cuda"), dtype, adaptive)
     finally:
         torch.cuda.get_device_capability = real
 
@@ -55,13 +56,13 @@ def main():
                           DECOUPLED=not amsgrad, HAS_LR_TENSOR=adaptive,
                           HAS_GRAD_SCALE=adaptive, HAS_FOUND_INF=adaptive, BLOCK=config.block,
                           ITERS=config.iters, ALIGNED=True, COUNT_STEPS=True, INTERPRETED=False)
-            ptx = compile_kernel(triton_kernels._step_kernel, SIGNATURE, consts,
+            ptx = compile_kernel(triton_step_kernel(), SIGNATURE, consts,
                                  config.num_warps).asm["ptx"]
             ticket = ptx.find("atom.global.gpu.acq_rel.add")
             report[f"{dtype}-{mode}"] = {"sm_90": ".target sm_90" in ptx,
                                          "v4_loads": "ld.global.v4" in ptx,
                                          "ticket_after_barrier": 0 <= ptx.find("bar.sync") < ticket}
-    ptx = compile_kernel(triton_kernels._increment_steps_kernel,
+    ptx = compile_kernel(triton_increment_steps_kernel(),
                          {"step_table": "*i64", "n_tensors": "i32", "found_inf_ptr": "*fp32"},
                          dict(HAS_FOUND_INF=True, BLOCK=256), 4).asm["ptx"]
     report["increment"] = {"sm_90": ".target sm_90" in ptx}

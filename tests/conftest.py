@@ -10,7 +10,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
-from pnm_kernels import PNM, AdaPNM  # noqa: E402
+import cases  # noqa: E402
 from pnm_kernels._ops import extension_error, set_launch_limits  # noqa: E402
 
 HAS_CUDA = torch.cuda.is_available()
@@ -30,11 +30,9 @@ DEVICE = "cuda" if HAS_CUDA else "cpu"
 NVCC = shutil.which("nvcc") or ("/usr/local/cuda/bin/nvcc"
                                 if os.path.exists("/usr/local/cuda/bin/nvcc") else None)
 
-# Every fast path, as (backend name, device, emulate CUDA on the CPU).
-# "emulated" is backend="fused" on CPU tensors with PNM_KERNELS_EMULATE_CUDA=1: the CUDA
-# kernels' own code, walked block by block and thread by thread on the host.
-FAST_PATHS = ["foreach", "fused", "emulated", "triton"] if not HAS_CUDA else [
-    "foreach", "fused", "triton"]
+# Every fast path this machine runs ("emulated" only without a GPU), from the table of
+# cases (tests/cases.py).
+FAST_PATHS = cases.FAST_PATHS
 
 
 @pytest.fixture
@@ -62,7 +60,7 @@ def small_launches():
         set_launch_limits()
 
 
-OPTIMIZERS = {"PNM": PNM, "AdaPNM": AdaPNM}
+OPTIMIZERS = cases.OPTIMIZERS
 
 
 def make_params(shapes, dtype=torch.float32, device=DEVICE, seed=0, misaligned=False):
@@ -124,6 +122,19 @@ def assert_states_close(opt_a, params_a, opt_b, params_b, **tol):
         assert sa.keys() == sb.keys(), f"param {i}: state keys {sa.keys()} vs {sb.keys()}"
         for key in sa:
             torch.testing.assert_close(sa[key], sb[key], msg=lambda m: f"param {i} {key}: {m}", **tol)
+
+
+def second_parameter_restarted_after_three_steps(name, path, restart):
+    """Three steps, restart(opt, params) on both runs, three more: the second parameter has
+    fresh state (3 steps), the others carry on (6), and the fast path matches the reference."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        restart(o, ps)
+        train(o, ps, 3, start=3)
+    assert opt.state[params[1]]["step"].item() == 3 and opt.state[params[0]]["step"].item() == 6
+    assert_states_close(opt, params, ref, ref_params)
+
 
 
 def user_event(opt, params, events, name):

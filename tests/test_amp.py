@@ -2,17 +2,17 @@
 whole step (no parameter, state or step counter changes) and lowers the scale."""
 import copy
 
-import pytest
 import torch
 
-from conftest import (DEVICE, FAST_PATHS, OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
+import cases
+from cases import FAST_PATHS
+from conftest import (DEVICE, OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
                       make_params, train)
 
 PATHS = FAST_PATHS + ["reference"]
 
 
-@pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(PATHS)
 def test_grad_scale_is_unscaled_in_the_step(path, name):
     params = make_params([(40,), (3, 3)])
     plain = clone_params(params)
@@ -27,8 +27,7 @@ def test_grad_scale_is_unscaled_in_the_step(path, name):
     assert_states_close(opt, params, ref, plain)
 
 
-@pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(PATHS)
 def test_found_inf_changes_nothing(path, name):
     params = make_params([(40,), (5,)])
     opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
@@ -46,9 +45,7 @@ def test_found_inf_changes_nothing(path, name):
             assert torch.equal(opt.state_dict()["state"][k][key], value), key
 
 
-@pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "foreach"] + ["reference"],
-                         indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize([p for p in FAST_PATHS if p != "foreach"] + ["reference"])
 def test_grad_scaler_end_to_end_with_an_injected_inf(path, name):
     torch.manual_seed(0)
     model = torch.nn.Linear(8, 4).to(DEVICE)
@@ -76,8 +73,7 @@ def test_grad_scaler_end_to_end_with_an_injected_inf(path, name):
     assert opt.state[model.weight]["step"].item() == 3
 
 
-@pytest.mark.parametrize("path", PATHS, indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(PATHS)
 def test_unscale_then_clip_then_step_matches_training_without_scaling(path, name):
     """The usual clipping recipe: scaler.unscale_(opt), clip_grad_norm_, scaler.step(opt).
     The step then gets found_inf without grad_scale, and with a power-of-two scale the run is

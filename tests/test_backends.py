@@ -1,11 +1,18 @@
 """Every fast path computes what reference.py computes: parameters and every state buffer,
 over many odd and even steps, awkward sizes, both weight-decay modes, AMSGrad on and off,
-several b0, several param groups, and parameters that skip steps (DESIGN.md §4)."""
+several b0, several param groups, and parameters that skip steps (docs/design.md §4)."""
 import pytest
 import torch
 
-from conftest import (DEVICE, FAST_PATHS, HAS_CUDA, OPTIMIZERS, assert_states_close,
-                      clone_params, make_params, train, with_reference)
+import cases
+from cases import FAST_PATHS, FLOAT64_FAST_PATHS, OVER_OPTIMIZERS
+from conftest import (DEVICE, HAS_CUDA, OPTIMIZERS, assert_states_close, clone_params,
+                      make_params, train, with_reference)
+from internals import (fused_kernels_unavailable, kernels_take_only_their_own_dtypes,
+                       launch_ticket_counter, make_batch, record_triton_launches,
+                       resolve_auto_backend, run_triton_step, set_triton_launch_config,
+                       shipped_triton_launch_configs, triton_launch_config,
+                       triton_launch_config_type)
 
 B1 = 0.9
 B0_VALUES = [1.0, 0.0, -B1 / (1 + B1), 3.0]
@@ -50,7 +57,7 @@ def test_matches_reference_over_many_steps(path, b0, name, options, small_launch
     assert_states_close(opt, params, ref, ref_params)
 
 
-@pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "triton"], indirect=True)
+@pytest.mark.parametrize("path", FLOAT64_FAST_PATHS, indirect=True)
 @pytest.mark.parametrize("b0", [1.0, -B1 / (1 + B1)], ids=lambda b: f"b0={b:.3g}")
 @pytest.mark.parametrize("name,options", CONFIGS,
                          ids=[f"{n}-{'-'.join(f'{k}={v}' for k, v in o.items())}"
@@ -74,8 +81,7 @@ def test_float64_matches_the_reference_to_float64_precision(path, b0, name, opti
 
 
 @pytest.mark.parametrize("lr_on", ["cpu", "params' device"])
-@pytest.mark.parametrize("path", [p for p in FAST_PATHS if p != "triton"], indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(FLOAT64_FAST_PATHS)
 def test_float64_steps_take_a_float64_lr_tensor_in_full(path, name, lr_on):
     """An lr given as a float64 tensor (a scheduler's, a new value every step), on the CPU or
     on the parameters' device, reaches float64 parameters with all its digits: within 1e-14
@@ -94,8 +100,7 @@ def test_float64_steps_take_a_float64_lr_tensor_in_full(path, name, lr_on):
     assert_states_close(opt, params, ref, ref_params, rtol=1e-14, atol=1e-14)
 
 
-@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(FAST_PATHS)
 def test_maximize_and_misaligned_storage(path, name):
     params = make_params(shapes_for(path), misaligned=True)
     ref_params = clone_params(params)
@@ -107,8 +112,7 @@ def test_maximize_and_misaligned_storage(path, name):
     assert_states_close(opt, params, ref, ref_params)
 
 
-@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(FAST_PATHS)
 def test_default_launch_limits(path, name):
     """The production chunking (no test limits) on a tensor that spans several chunks."""
     shapes = [(70001,), (5,)] if path != "triton" else [(1000,), (5,)]
@@ -158,64 +162,60 @@ def test_low_precision_is_at_least_as_accurate_as_the_reference(path, dtype, sla
 def test_auto_on_cuda_is_the_fused_step_at_every_size(capability, monkeypatch):
     """On CUDA "auto" is the fused step for every dtype it takes, however large the batch:
     with 4,096-element fp32 chunks it took the Triton step's time within 0.5 % on an H200
-    from 2^26 elements, and less below (see _backends). Without its CUDA kernels, Triton,
-    and for float64, which Triton does not take, foreach."""
-    from pnm_kernels import _backends
-
+    from 2^26 elements, and less below (see pnm_kernels' backend choice). Without its CUDA
+    kernels, Triton, and for float64, which Triton does not take, foreach."""
     cuda = torch.device("cuda")
-    def takes(dtypes):
-        return lambda device, dtype: None if dtype in dtypes else "dtype"
-
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: capability)
-    monkeypatch.setattr(_backends, "triton_unavailable_reason", takes(_backends.TRITON_DTYPES))
-    monkeypatch.setattr(_backends, "fused_unavailable_reason", takes(_backends.FUSED_DTYPES))
+    kernels_take_only_their_own_dtypes(monkeypatch)
     for dtype in (torch.float32, torch.float64, torch.bfloat16, torch.float16):
-        assert _backends.resolve_backend("auto", cuda, dtype) == "fused"
-    monkeypatch.setattr(_backends, "fused_unavailable_reason", lambda device, dtype: "no CUDA")
-    assert _backends.resolve_backend("auto", cuda, torch.float32) == "triton"
-    assert _backends.resolve_backend("auto", cuda, torch.float64) == "foreach"
+        assert resolve_auto_backend(cuda, dtype) == "fused"
+    fused_kernels_unavailable(monkeypatch, "no CUDA")
+    assert resolve_auto_backend(cuda, torch.float32) == "triton"
+    assert resolve_auto_backend(cuda, torch.float64) == "foreach"
 
 
 def test_triton_launch_configuration_by_generation_and_its_override(monkeypatch):
     """One configuration per GPU generation, and on Hopper one per optimizer for 2-byte
     storage and one for float32 AdaPNM; set_launch_config overrides every launch, or only those of the (dtype, adaptive)
     pairs it names (how bench_step.py runs tuned ones)."""
-    tk = pytest.importorskip("pnm_kernels.triton_kernels")
+    pytest.importorskip("triton")
+    configs, per_optimizer, default = shipped_triton_launch_configs()
+    LaunchConfig = triton_launch_config_type()
     cuda = torch.device("cuda")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    assert tk.launch_config(cuda, torch.float32, False) == tk._CONFIGS[9]
-    assert tk.launch_config(cuda, torch.float32, True) == tk._PER_OPTIMIZER_CONFIGS[(9, 4, True)]
-    assert tk._PER_OPTIMIZER_CONFIGS[(9, 4, True)] != tk._CONFIGS[9]
+    assert triton_launch_config(cuda, torch.float32, False) == configs[9]
+    assert triton_launch_config(cuda, torch.float32, True) == per_optimizer[(9, 4, True)]
+    assert per_optimizer[(9, 4, True)] != configs[9]
     for dtype in (torch.bfloat16, torch.float16):
         for adaptive in (False, True):
-            expected = tk._PER_OPTIMIZER_CONFIGS[(9, 2, adaptive)]
-            assert tk.launch_config(cuda, dtype, adaptive) == expected
+            expected = per_optimizer[(9, 2, adaptive)]
+            assert triton_launch_config(cuda, dtype, adaptive) == expected
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 0))
-    assert tk.launch_config(cuda, torch.bfloat16, True) == tk._CONFIGS[8]
+    assert triton_launch_config(cuda, torch.bfloat16, True) == configs[8]
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (7, 5))
-    assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
-    assert tk.launch_config(torch.device("cpu"), torch.float32, True) == tk._CONFIGS["interpreter"]
+    assert triton_launch_config(cuda, torch.float32, True) == default
+    assert triton_launch_config(torch.device("cpu"), torch.float32, True) == configs["interpreter"]
 
-    other = tk.LaunchConfig(block=256, iters=2, num_warps=2)
+    other = LaunchConfig(block=256, iters=2, num_warps=2)
     try:
-        tk.set_launch_config({(torch.float32, False): other})
-        assert tk.launch_config(cuda, torch.float32, False) == other
-        assert tk.launch_config(cuda, torch.float32, True) == tk._DEFAULT_CONFIG
-        assert tk.launch_config(cuda, torch.bfloat16, False) == tk._DEFAULT_CONFIG
-        tk.set_launch_config(other)
-        assert tk.launch_config(torch.device("cpu"), torch.bfloat16, True) == other
+        set_triton_launch_config({(torch.float32, False): other})
+        assert triton_launch_config(cuda, torch.float32, False) == other
+        assert triton_launch_config(cuda, torch.float32, True) == default
+        assert triton_launch_config(cuda, torch.bfloat16, False) == default
+        set_triton_launch_config(other)
+        assert triton_launch_config(torch.device("cpu"), torch.bfloat16, True) == other
     finally:
-        tk.set_launch_config(None)
-    assert tk.launch_config(cuda, torch.float32, False) == tk._DEFAULT_CONFIG
+        set_triton_launch_config(None)
+    assert triton_launch_config(cuda, torch.float32, False) == default
 
 
 def _shipped_launch_configs():
     try:
-        from pnm_kernels import triton_kernels as tk
+        by_generation, per_optimizer, _ = shipped_triton_launch_configs()
     except ImportError:
         return []
-    configs = [c for k, c in tk._CONFIGS.items() if k != "interpreter"]
-    configs = sorted(set(configs + list(tk._PER_OPTIMIZER_CONFIGS.values())), key=repr)
+    configs = [c for k, c in by_generation.items() if k != "interpreter"]
+    configs = sorted(set(configs + list(per_optimizer.values())), key=repr)
     if HAS_CUDA:
         return configs
     # The interpreter ignores num_warps: one configuration per chunk layout is enough there.
@@ -223,28 +223,27 @@ def _shipped_launch_configs():
 
 
 @pytest.mark.parametrize("config", _shipped_launch_configs(), ids=repr)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(["triton"], dtypes=[torch.float32, torch.bfloat16], args=["name", "dtype"])
 def test_every_shipped_triton_launch_configuration_steps_as_the_reference(config, dtype, name):
     """Each configuration of the GPU table, forced on every launch, across its chunk
     boundaries: one element short of a chunk, one over, two chunks and a bit, and a tensor
     smaller than a block. Chunking changes no element's arithmetic, so the result is bitwise
     that of chunks of 2,048 elements, and (fp32) matches the reference. (Without a GPU the
     interpreter runs it: it ignores num_warps but walks the same chunk map.)"""
-    tk = pytest.importorskip("pnm_kernels.triton_kernels")
+    pytest.importorskip("triton")
     chunk = config.block * config.iters
     params = make_params([(chunk - 1,), (chunk + 1,), (2 * chunk + 3,), (5,)], dtype=dtype)
     runs = {}
-    small = tk.LaunchConfig(block=1024, iters=2, num_warps=4)  # the interpreter's own: slow here
+    small = triton_launch_config_type()(block=1024, iters=2, num_warps=4)  # the interpreter's own: slow here
     for label, forced in (("shipped", config), ("small chunks", small), ("reference", None)):
         ps = clone_params(params)
         opt = OPTIMIZERS[name](ps, lr=1e-2, weight_decay=0.1,
                                backend="reference" if forced is None else "triton")
-        tk.set_launch_config(forced)
+        set_triton_launch_config(forced)
         try:
             train(opt, ps, 3)
         finally:
-            tk.set_launch_config(None)
+            set_triton_launch_config(None)
         runs[label] = (opt, ps)
     shipped, small = runs["shipped"], runs["small chunks"]
     assert_states_close(*shipped, *small, atol=0, rtol=0)
@@ -252,32 +251,14 @@ def test_every_shipped_triton_launch_configuration_steps_as_the_reference(config
         assert_states_close(*shipped, *runs["reference"])
 
 
-class _Recorder:
-    """Stands in for a Triton kernel: launches it and records (kind, args, kwargs)."""
-
-    def __init__(self, kernel, kind, launched):
-        self.kernel, self.kind, self.launched = kernel, kind, launched
-
-    def __getitem__(self, grid):
-        def launch(*args, **kwargs):
-            self.launched.append((self.kind, args, kwargs))
-            return self.kernel[grid](*args, **kwargs)
-        return launch
-
-
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@OVER_OPTIMIZERS
 def test_a_triton_step_is_one_launch_that_also_counts_the_steps(name, monkeypatch):
     """Each Triton step of a cached batch is one launch: the program that finishes last
     increments every step counter and re-zeroes the batch's ticket counter, and a step skipped
     for found_inf takes no ticket. Over many programs, parameters that skip steps and a
     skipped AMP step, parameters and state agree with the reference."""
     pytest.importorskip("triton")
-    from pnm_kernels import triton_kernels
-
-    launched = []
-    for attr, kind in (("_step_kernel", "step"), ("_increment_steps_kernel", "increment")):
-        monkeypatch.setattr(triton_kernels, attr,
-                            _Recorder(getattr(triton_kernels, attr), kind, launched))
+    launched = record_triton_launches(monkeypatch)
     opt, params, ref, ref_params = with_reference(name, "triton", SHAPES["small"])
     train(opt, params, 5, skip_every=3)
     train(ref, ref_params, 5, skip_every=3)
@@ -293,7 +274,7 @@ def test_a_triton_step_is_one_launch_that_also_counts_the_steps(name, monkeypatc
     assert [kind for kind, _, _ in launched] == ["step"] * 10
     assert all(kwargs["COUNT_STEPS"] for _, _, kwargs in launched)
     # one counter per cached batch (steps that skip parameters make other batches)
-    assert all(args[10].tolist() == [0] for _, args, _ in launched)
+    assert all(launch_ticket_counter(args).tolist() == [0] for _, args, _ in launched)
 
 
 @pytest.mark.parametrize("missing", ["a buffer list", "a step counter", "a gradient"])
@@ -302,13 +283,10 @@ def test_the_triton_step_refuses_lists_it_would_read_past(missing):
     a batch lacking a list or an entry (a bug upstream) is refused before any launch,
     instead of reading memory past the table."""
     pytest.importorskip("triton")
-    from pnm_kernels import triton_kernels
-    from pnm_kernels._backends import Batch
-
     params = [torch.zeros(5, device=DEVICE), torch.zeros(3, device=DEVICE)]
     like = lambda: [torch.zeros_like(p) for p in params]  # noqa: E731
-    batch = Batch(params, like(), [like(), like(), like(), like()],
-                  [torch.zeros((), device=DEVICE) for _ in params])
+    batch = make_batch(params, like(), [like(), like(), like(), like()],
+                       [torch.zeros((), device=DEVICE) for _ in params])
     if missing == "a buffer list":
         batch.buffers.pop()  # AMSGrad's
     elif missing == "a step counter":
@@ -318,7 +296,7 @@ def test_the_triton_step_refuses_lists_it_would_read_past(missing):
     hp = dict(lr=1e-3, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.0,
               amsgrad=True, decoupled=True, maximize=False)
     with pytest.raises(RuntimeError, match="needs as many gradients, step counters and 4"):
-        triton_kernels.step(True, batch, hp, None, None)
+        run_triton_step(True, batch, hp, None, None)
     assert all(not p.any() for p in params)
 
 

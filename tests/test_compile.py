@@ -5,6 +5,7 @@ import torch
 import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
+import cases
 from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
 
 pytestmark = requires_extension
@@ -19,9 +20,7 @@ def _models(n=2):
     return models
 
 
-@pytest.mark.parametrize("backend", ["fused", "foreach", pytest.param(
-    "triton", marks=pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed"))])
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(["fused", "foreach", "triton"], args=["name", "backend"])
 def test_compiled_step_has_no_graph_break(name, backend):
     """Also with backend="triton", which runs the fused kernels when traced (on a GPU,
     deciding that inside the traced step once broke the graph), and with backend="foreach",
@@ -283,12 +282,7 @@ def test_the_compiled_step_takes_parameters_and_state_as_static_inputs(name):
     assert {t.data_ptr() for t in copied_in} <= grads_and_lr
 
 
-BACKENDS = ["reference", "foreach", "fused", pytest.param("triton", marks=pytest.mark.skipif(
-    not HAS_TRITON, reason="triton is not installed"))]
-
-
-@pytest.mark.parametrize("backend", BACKENDS)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+@cases.parametrize(["reference", "foreach", "fused", "triton"], args=["name", "backend"])
 def test_a_compiled_step_gives_what_eager_gives_with_every_backend(name, backend):
     """torch.compile(opt.step) over two groups, state included, with every backend. The
     reference breaks the graph (it reads each step count on the host), and dynamo then

@@ -13,6 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FAST_PATHS, user_event
+from internals import count_batch_builds
 from pnm_kernels import PNM, AdaPNM
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -248,9 +249,7 @@ def _one_rank_fsdp2_training(name, backend):
     the optimizer built its kernel lists."""
     model, (xs, ys) = _one_rank_model()
     opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
-    builds = []
-    build = opt._build_batch
-    opt._build_batch = lambda *a, **k: builds.append(1) or build(*a, **k)
+    builds = count_batch_builds(opt)
     _train(model, opt, xs, ys, range(2))
     shards = [p.to_local() for p in model.parameters()]
     model.double().float()

@@ -1,0 +1,312 @@
+"""Bad input gets a clear error (naming the group, parameter or argument at fault, or saying
+what is missing and why), and nothing is touched: no parameter, state buffer or step
+counter changes, in any group."""
+import copy
+import sys
+
+import pytest
+import torch
+
+import cases
+from cases import FAST_PATHS, OVER_OPTIMIZERS
+from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, make_params, train
+from internals import (extension_unavailable, python_gradient_checks,
+                       simulate_cuda_graph_capture, simulate_triton_graph_capture)
+from pnm_kernels import PNM
+
+
+BAD_HYPER = [
+    ("PNM", dict(lr=-1.0), "lr"),
+    ("PNM", dict(lr=float("nan")), "lr"),
+    ("PNM", dict(lr=float("inf")), "lr"),
+    ("PNM", dict(lr=torch.tensor([0.1, 0.2])), "lr"),
+    ("PNM", dict(betas=(0.9, 1.0, 1.0)), "betas"),
+    ("PNM", dict(betas=(1.0, 1.0)), "beta1"),
+    ("PNM", dict(betas=(-0.1, 1.0)), "beta1"),
+    ("PNM", dict(betas=(0.9, float("nan"))), "beta0"),
+    ("PNM", dict(betas=(0.9, float("inf"))), "beta0"),
+    ("PNM", dict(weight_decay=-1e-3), "weight_decay"),
+    ("PNM", dict(weight_decay=float("nan")), "weight_decay"),
+    ("PNM", dict(decoupled="yes"), "decoupled"),
+    ("PNM", dict(backend="cuda-magic"), "backend"),
+    ("AdaPNM", dict(betas=(0.9, 1.0)), "betas"),
+    ("AdaPNM", dict(betas=(0.9, 1.0, 1.0)), "beta2"),
+    ("AdaPNM", dict(betas=(0.9, float("nan"), 1.0)), "beta2"),
+    ("AdaPNM", dict(eps=-1e-8), "eps"),
+    ("AdaPNM", dict(eps=float("inf")), "eps"),
+    ("AdaPNM", dict(amsgrad=1), "amsgrad"),
+]
+
+
+@pytest.mark.parametrize("name,kwargs,culprit", BAD_HYPER,
+                         ids=[f"{n}-{c}-{i}" for i, (n, _, c) in enumerate(BAD_HYPER)])
+def test_invalid_hyper_parameters_raise_naming_the_argument(name, kwargs, culprit):
+    with pytest.raises(ValueError, match=culprit):
+        OPTIMIZERS[name]([torch.zeros(2, requires_grad=True)], **kwargs)
+
+
+@OVER_OPTIMIZERS
+def test_a_parameter_listed_twice_raises_naming_both_places(name):
+    """torch's optimizers warn that a duplicate will become an error; the backends would each
+    step it differently (twice in turn, or twice at once), so here it is one already."""
+    a, b = torch.randn(3, requires_grad=True), torch.randn(2, requires_grad=True)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is the same "
+                                         r"tensor as param_groups\[0\]\['params'\]\[0\]"):
+        OPTIMIZERS[name](iter([a, b, a]))
+    opt = OPTIMIZERS[name]([b])
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\]"):
+        opt.add_param_group({"params": [("a", a), ("a_again", a)]})
+    assert len(opt.param_groups) == 1
+
+
+@OVER_OPTIMIZERS
+def test_negative_b0_is_legal(name):
+    betas = (0.9, 0.999, -0.4) if name == "AdaPNM" else (0.9, -0.4)
+    OPTIMIZERS[name]([torch.zeros(2, requires_grad=True)], betas=betas)
+
+
+@OVER_OPTIMIZERS
+def test_invalid_value_set_after_construction_raises_at_step_before_any_change(name):
+    params = make_params([(4,)])
+    opt = OPTIMIZERS[name](params)
+    opt.param_groups[0]["lr"] = float("nan")
+    params[0].grad = torch.ones_like(params[0])
+    before = params[0].detach().clone()
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*lr"):
+        opt.step()
+    assert torch.equal(params[0], before) and not opt.state
+
+
+@pytest.mark.parametrize("bad_lr", [float("nan"), -0.1, float("inf")], ids=["nan", "negative", "inf"])
+@cases.parametrize(["reference"] + FAST_PATHS)
+def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, bad_lr):
+    """As a scheduler sets it, after steps that repeat the last one (whose check of a new
+    float lr is the lr's alone): the step raises naming the group, changes nothing, and
+    steps again once the lr is valid."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], lr=0.01,
+                           backend=path)
+    train(opt, params, 3)
+    opt.param_groups[1]["lr"] = bad_lr
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: invalid lr"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert [opt.state[p]["step"].item() for p in params] == [3, 3]
+    opt.param_groups[1]["lr"] = 0.005
+    opt.step()
+    assert [opt.state[p]["step"].item() for p in params] == [4, 4]
+
+
+@cases.parametrize(FAST_PATHS)
+def test_a_hyper_parameter_edited_between_steps_is_validated_again(path, name):
+    """A repeated step checks that no hyper-parameter changed since the last one; an edited
+    group is validated again, with the same errors as at construction."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 3)
+    opt.param_groups[0]["backend"] = "fastest"
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: backend must be one of"):
+        opt.step()
+    opt.param_groups[0]["backend"] = path
+    opt.param_groups[0]["weight_decay"] = -0.5
+    with pytest.raises(ValueError, match=r"param_groups\[0\].*weight_decay"):
+        opt.step()
+
+
+def _bad_grad_cases():
+    return [
+        ("sparse", torch.zeros(3, 2).to_sparse(), "sparse"),
+        ("shape", torch.zeros(2, 3), "does not match"),
+        ("dtype", torch.zeros(3, 2, dtype=torch.float64), "does not match"),
+    ]
+
+
+@pytest.mark.parametrize("native_check", [True, False], ids=["cpp-check", "python-check"])
+@pytest.mark.parametrize("case,grad,message", _bad_grad_cases(), ids=lambda x: x if isinstance(x, str) else "")
+@OVER_OPTIMIZERS
+def test_bad_gradient_raises_and_leaves_every_group_untouched(name, case, grad, message,
+                                                              native_check, monkeypatch):
+    if not native_check:  # as without the compiled extension
+        python_gradient_checks(monkeypatch)
+    good = make_params([(5,), (6,)])
+    bad = torch.zeros(3, 2, requires_grad=True)
+    opt = OPTIMIZERS[name]([{"params": good}, {"params": [bad], "lr": 0.1}])
+    train(opt, good, 2)
+    snapshot = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in good]
+    for p in good:
+        p.grad = torch.ones_like(p)
+    if grad.is_sparse:
+        bad.grad = grad
+    else:  # torch's grad setter refuses such gradients; .data does not check
+        bad.grad = torch.zeros(3, 2)
+        bad.grad.data = grad
+    with pytest.raises(RuntimeError, match=rf"param_groups\[1\]\['params'\]\[0\].*{message}"):
+        opt.step()
+    for p, v in zip(good, values):
+        assert torch.equal(p, v)
+    assert bad not in opt.state
+    after = opt.state_dict()
+    for k, state in snapshot["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][k][key], value)
+
+
+@pytest.mark.parametrize("native_check", [True, False], ids=["cpp-check", "python-check"])
+@OVER_OPTIMIZERS
+def test_bad_gradient_after_cached_steps_is_still_caught(name, native_check, monkeypatch):
+    """Once the grouping is cached, gradients are still checked every step."""
+    if not native_check:
+        python_gradient_checks(monkeypatch)
+    params = make_params([(5,), (3, 2), (7,)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 3)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[1].grad.data = torch.zeros(2, 3)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\].*does not match"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_parameter_given_data_of_another_shape_raises_before_any_change(path, name):
+    """State cannot follow a new shape: the step raises, naming the parameter, before any
+    batch (here the float32 one ahead of it) has stepped."""
+    params = make_params([(5,), (3, 2)]) + make_params([(4,)], dtype=torch.bfloat16)
+    opt = OPTIMIZERS[name](params, backend=path)
+    train(opt, params, 3)
+    params[2].data = torch.zeros(9, dtype=torch.bfloat16, device=DEVICE)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"params'\]\[2\].*another shape"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+@OVER_OPTIMIZERS
+def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name):
+    """The fused kernel checks every argument before it touches anything; when none of the
+    gradients is at fault, its own error reaches the user and nothing has changed."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name](params, backend="fused")
+    train(opt, params, 3)
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    opt.grad_scale = torch.tensor(1.0, dtype=torch.float64, device=DEVICE)  # must be float32
+    with pytest.raises(RuntimeError, match="grad_scale must be a float32 tensor"):
+        opt.step()
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+@pytest.mark.parametrize("backend", ["foreach", "reference"])
+@OVER_OPTIMIZERS
+def test_a_host_reading_backend_refuses_a_cuda_graph_capture_untouched(name, backend,
+                                                                       monkeypatch):
+    """backend="foreach" and "reference" read each step count on the host, which a CUDA
+    graph capture cannot record: the step raises, naming what can be captured, before any
+    group is touched (as torch's optimizers refuse a capture without capturable=True), also
+    where another group's fused step would have run first. The capture is simulated here, on
+    CPU tensors (tests/test_cuda.py captures for real)."""
+    fused, host = make_params([(5,), (6,)]), make_params([(4,)], seed=1)
+    opt = OPTIMIZERS[name]([{"params": fused, "backend": "fused"},
+                            {"params": host, "backend": backend}])
+    train(opt, fused + host, 2)
+    snapshot = copy.deepcopy(opt.state_dict())
+    values = [p.detach().clone() for p in fused + host]
+    for p in fused + host:
+        p.grad = torch.ones_like(p)
+    simulate_cuda_graph_capture(monkeypatch)
+    with pytest.raises(RuntimeError, match=rf"backend='{backend}' reads each parameter's step "
+                                           r"count on the host.*backend='fused' or 'triton'"):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(fused + host, values))
+    after = opt.state_dict()
+    for k, state in snapshot["state"].items():
+        for key, value in state.items():
+            assert torch.equal(after["state"][k][key], value)
+    monkeypatch.undo()
+    opt.step()  # outside a capture it steps
+    assert not torch.equal(host[0], values[-1])
+
+
+@cases.parametrize(["triton"], optimizers=["PNM"], args=["path"])
+def test_triton_tables_needed_inside_a_graph_capture_raise_clearly(path, monkeypatch):
+    """Tables for new addresses would need a host-to-device copy, which a CUDA graph capture
+    forbids: the step says so (and what to do) instead of failing inside CUDA."""
+    params = make_params([(5,), (3, 2)])
+    opt = PNM(params, backend=path)
+    train(opt, params, 2)
+    simulate_triton_graph_capture(monkeypatch)
+    for p in params:  # gradients kept, as zero_grad(set_to_none=False) keeps them
+        p.grad.fill_(0.5)
+    opt.step()  # same addresses as in the last step: its tables are used as they are
+    params[0].grad = torch.ones(5, device=DEVICE)  # a new address
+    with pytest.raises(RuntimeError, match="set_to_none=False"):
+        opt.step()
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_unsupported_dtype_for_a_kernel_backend_names_the_parameter(backend):
+    """float64 has fused kernels but no Triton ones; float8 has neither (nor any backend)."""
+    dtypes = [torch.float64, torch.float8_e4m3fn] if backend == "triton" else [torch.float8_e4m3fn]
+    for dtype in dtypes:
+        p = torch.zeros(3, dtype=dtype, requires_grad=True)
+        opt = PNM([p], backend=backend)
+        p.grad = torch.ones(3).to(dtype)
+        with pytest.raises(RuntimeError, match=rf"params'\]\[0\].*{dtype}.*unavailable"):
+            opt.step()
+        assert not opt.state
+    p = torch.zeros(3, dtype=torch.float8_e4m3fn, requires_grad=True)
+    opt = PNM([p])
+    p.grad = torch.ones(3).to(p.dtype)
+    with pytest.raises(ValueError, match=r"params'\]\[0\].*unsupported parameter dtype"):
+        opt.step()
+
+
+def test_unavailable_backend_says_why(monkeypatch):
+    extension_unavailable(monkeypatch, "built without it, for the test")
+    p = torch.zeros(3, requires_grad=True)
+    opt = PNM([p], backend="fused")
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="built without it, for the test"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(3))
+
+
+@pytest.mark.skipif(not HAS_TRITON, reason="triton is not installed")
+def test_triton_on_cpu_without_the_interpreter_says_why(monkeypatch):
+    monkeypatch.delenv("TRITON_INTERPRET", raising=False)
+    p = torch.zeros(3, requires_grad=True)
+    opt = PNM([p], backend="triton")
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="TRITON_INTERPRET"):
+        opt.step()
+
+
+def test_triton_without_triton_installed_says_so(monkeypatch):
+    monkeypatch.setitem(sys.modules, "triton", None)  # `import triton` raises ImportError
+    p = torch.zeros(3, requires_grad=True)
+    opt = PNM([p], backend="triton")
+    p.grad = torch.ones(3)
+    with pytest.raises(RuntimeError, match="triton is not installed"):
+        opt.step()
+    assert torch.equal(p, torch.zeros(3)) and not opt.state
+
+
+def test_fused_on_a_device_without_kernels_says_why():
+    p = torch.zeros(3, device="meta", requires_grad=True)
+    opt = PNM([p], backend="fused")
+    p.grad = torch.zeros(3, device="meta")
+    with pytest.raises(RuntimeError, match="meta"):
+        opt.step()

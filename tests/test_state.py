@@ -1,0 +1,227 @@
+"""The optimizer's state as torch's optimizers keep it: state_dict round trips and loading
+(an earlier state, the authors' format, weights_only), state edited, replaced or deleted by
+hand between steps, buffers made when needed, and torch.utils._pytree's walk of it."""
+import collections
+import copy
+import io
+
+import pytest
+import torch
+
+import cases
+from cases import FAST_PATHS, OVER_OPTIMIZERS
+from conftest import (OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
+                      make_params, second_parameter_restarted_after_three_steps, train,
+                      with_reference)
+from pnm_kernels import AdaPNM
+
+
+@cases.parametrize(FAST_PATHS)
+def test_state_dict_round_trip_mid_run_is_bitwise(path, name):
+    params = make_params([(50,), (3, 3)])
+    straight = clone_params(params)
+    opt_straight = OPTIMIZERS[name](straight, lr=1e-2, backend=path)
+    train(opt_straight, straight, 9)
+
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 5)
+    saved = copy.deepcopy(opt.state_dict())
+    resumed = clone_params(params)
+    opt2 = OPTIMIZERS[name](resumed, lr=1e-2, backend=path)
+    opt2.load_state_dict(saved)
+    train(opt2, resumed, 4, start=5)
+    for p, q in zip(resumed, straight):
+        assert torch.equal(p, q)
+    assert_states_close(opt2, resumed, opt_straight, straight, atol=0, rtol=0)
+
+
+@cases.parametrize(FAST_PATHS)
+def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name):
+    """The kernels' cached tensor lists follow load_state_dict: the loaded buffers and
+    counters are the ones stepped, not those held from before."""
+    params = make_params([(50,), (3, 3)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    train(opt, params, 3)
+    saved_params = [p.detach().clone() for p in params]
+    saved = copy.deepcopy(opt.state_dict())
+    train(opt, params, 4, start=3)
+    after_seven = [p.detach().clone() for p in params]
+    with torch.no_grad():
+        for p, v in zip(params, saved_params):
+            p.copy_(v)
+    opt.load_state_dict(saved)
+    train(opt, params, 4, start=3)
+    for p, v in zip(params, after_seven):
+        assert torch.equal(p, v)
+
+
+@OVER_OPTIMIZERS
+def test_loads_a_checkpoint_in_the_authors_format(name):
+    """The authors' optimizers store step as a Python int and know no maximize/backend."""
+    params = make_params([(20,), (4,)])
+    straight = clone_params(params)
+    opt_straight = OPTIMIZERS[name](straight, lr=1e-2)
+    train(opt_straight, straight, 7)
+
+    opt = OPTIMIZERS[name](params, lr=1e-2)
+    train(opt, params, 4)
+    saved = copy.deepcopy(opt.state_dict())
+    for state in saved["state"].values():
+        state["step"] = int(state["step"].item())
+    for group in saved["param_groups"]:
+        del group["maximize"], group["backend"]
+    resumed = clone_params(params)
+    opt2 = OPTIMIZERS[name](resumed, lr=1e-2)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["maximize"] is False
+    assert opt2.state[resumed[0]]["step"].dtype == torch.float32
+    train(opt2, resumed, 3, start=4)
+    for p, q in zip(resumed, straight):
+        assert torch.equal(p, q)
+
+
+def test_loading_another_optimizers_state_dict_raises_before_changing_anything():
+    """AdamW's groups have two betas: the load is refused, naming the group and the
+    argument, and the optimizer goes on as it was."""
+    params = make_params([(4,)])
+    adamw = torch.optim.AdamW(params)
+    opt = AdaPNM(params, lr=0.05)
+    train(opt, params, 2)
+    adamw.step()
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]: betas must be"):
+        opt.load_state_dict(adamw.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["betas"] == (0.9, 0.999, 1.0)
+    for key, value in opt.state[params[0]].items():
+        assert torch.equal(value, before["state"][0][key]), key
+    train(opt, params, 1, start=2)
+
+
+@OVER_OPTIMIZERS
+def test_a_state_dict_loads_with_weights_only(name):
+    """torch.load's default (weights_only=True) accepts the state_dict: plain containers,
+    however the optimizer keeps its state."""
+    params = make_params([(5,), (2, 3)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 2)
+    buffer = io.BytesIO()
+    torch.save(opt.state_dict(), buffer)
+    buffer.seek(0)
+    loaded = torch.load(buffer, weights_only=True)
+    twin = OPTIMIZERS[name](clone_params(params))
+    twin.load_state_dict(loaded)
+    assert all(type(entry) is dict for entry in loaded["state"].values())
+    step = twin.state[twin.param_groups[0]["params"][1]]["step"]
+    assert torch.equal(step.cpu(), torch.tensor(2.0))  # (a fast path keeps it on the GPU)
+
+
+def _edit_state(how, o, ps):
+    """One way of changing the second parameter's state by hand between steps. Returns a
+    plain dict put in by hand, which the user may go on editing."""
+    state = o.state[ps[1]]
+    buffer = next(key for key in state if key != "step")
+    if how == "a buffer replaced":  # a moment reset
+        state[buffer] = torch.ones_like(state[buffer])
+    elif how == "the counter replaced":
+        state["step"] = torch.tensor(1.0)
+    elif how == "the counter as an int":
+        state["step"] = 1
+    elif how == "update()":
+        state.update({key: value * 0.5 for key, value in state.items() if key != "step"})
+    elif how == "a buffer deleted":  # made again, zero
+        del state[buffer]
+    elif how == "a plain dict":
+        kept = o.state[ps[1]] = {key: value.clone() for key, value in state.items()}
+        return kept
+    elif how == "a new optimizer.state":
+        o.state = collections.defaultdict(dict, {p: dict(s) for p, s in o.state.items()})
+        return o.state[ps[1]]
+    return None
+
+
+@pytest.mark.parametrize("how", ["a buffer replaced", "the counter replaced",
+                                 "the counter as an int", "update()", "a buffer deleted",
+                                 "a plain dict", "a new optimizer.state"])
+@cases.parametrize(FAST_PATHS)
+def test_state_changed_by_hand_is_what_the_next_step_reads(path, name, how):
+    """The fast paths reuse the tensor lists they built (cached and repeated steps), yet a
+    step reads the state as it is now, as torch's optimizers do: after an entry is replaced
+    by hand (a Python int counter made a tensor, as load_state_dict makes it), and after a
+    plain dict is put in by hand and then edited through the user's own reference to it."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        kept = _edit_state(how, o, ps)
+        train(o, ps, 2, start=3)
+        if kept is not None:
+            kept["step"] = torch.tensor(10.0)
+            train(o, ps, 2, start=5)
+            # Still the user's dict (not a copy the optimizer made), edits and steps seen.
+            assert o.state[ps[1]] is kept and kept["step"].item() == 12
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@cases.parametrize(FAST_PATHS)
+def test_a_held_plain_dict_of_a_parameter_that_skips_steps_is_read_when_it_steps(path, name):
+    """Steps in which one parameter of a group has no gradient repeat with lists of every
+    parameter with state (see _lists_with_state). A parameter whose state is a plain dict the
+    user still holds is kept out of them: while it skips steps the user replaces a buffer
+    through their dict, and its next step reads the new one."""
+    opt, params, ref, ref_params = with_reference(name, path, [(50,), (3, 3), (7,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        kept = o.state[ps[2]] = dict(o.state[ps[2]])
+        for t in range(3, 7):  # ps[2] skips these steps
+            for p, g in zip(ps, grads_for_step(ps, t)):
+                p.grad = None if p is ps[2] else g
+            o.step()
+            if t == 4:
+                buffer = next(key for key in kept if key != "step")
+                kept[buffer] = torch.full_like(kept[buffer], 0.5)
+        train(o, ps, 2, start=7)
+        assert o.state[ps[2]] is kept and kept["step"].item() == 5
+    assert_states_close(opt, params, ref, ref_params)
+
+
+@cases.parametrize(FAST_PATHS)
+def test_deleting_a_parameters_state_restarts_it(path, name):
+    """`del opt.state[p]` (as after re-initialising a layer) gives p fresh state at its next
+    step, as with torch's optimizers; the other parameters carry on."""
+    def restart(o, ps):
+        del o.state[ps[1]]
+
+    second_parameter_restarted_after_three_steps(name, path, restart)
+
+
+def test_amsgrad_switched_on_mid_run_creates_its_buffer():
+    params = make_params([(5,)])
+    opt = AdaPNM(params, amsgrad=False)
+    train(opt, params, 2)
+    assert "max_exp_avg_sq" not in opt.state[params[0]]
+    opt.param_groups[0]["amsgrad"] = True
+    train(opt, params, 1, start=2)
+    assert "max_exp_avg_sq" in opt.state[params[0]]
+
+
+@OVER_OPTIMIZERS
+def test_pytree_walks_the_state_as_torchs_dict_state(name):
+    """torch.utils._pytree goes through optimizer.state and each entry as through torch's
+    plain dicts (torch.compile marks state tensors static that way), and maps back to the
+    same kinds of containers."""
+    from torch.utils import _pytree as pytree
+
+    params = make_params([(5,), (2, 3)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 2)
+    leaves, spec = pytree.tree_flatten(opt.state)
+    assert len(leaves) == sum(len(entry) for entry in opt.state.values()) > len(params)
+    assert all(isinstance(leaf, torch.Tensor) for leaf in leaves)
+    doubled = pytree.tree_map(lambda t: t * 2, opt.state)
+    assert type(doubled) is type(opt.state) and list(doubled) == list(opt.state)
+    for p in params:
+        assert type(doubled[p]) is type(opt.state[p])
+        for key, value in opt.state[p].items():
+            assert torch.equal(doubled[p][key], value * 2)
+    paths = [path for path, _ in pytree.tree_flatten_with_path(opt.state)[0]]
+    assert [(path[0].key, path[1].key) for path in paths] == [
+        (p, key) for p in opt.state for key in opt.state[p]]
