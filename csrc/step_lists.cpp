@@ -43,6 +43,18 @@ c10::TypedOperatorHandle<Fn> find_op(const char* name) {
   return c10::Dispatcher::singleton().findSchemaOrThrow(name, "").typed<Fn>();
 }
 
+// A held buffer still fits its parameter as the kernels need (what check_call asks of it).
+inline bool buffer_fits(const at::Tensor& b, const at::Tensor& p) {
+  return b.scalar_type() == p.scalar_type() && b.device() == p.device() &&
+         b.sizes().equals(p.sizes()) && dense_like(b, p);
+}
+
+// A held step counter is still what the kernels read and write (what check_call asks of it).
+inline bool counter_fits(const at::Tensor& s, const at::Tensor& p) {
+  return s.defined() && s.scalar_type() == at::kFloat && s.numel() == 1 &&
+         s.device() == p.device();
+}
+
 }  // namespace
 
 void StepLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
@@ -129,14 +141,22 @@ void StepLists::hold_outside(std::vector<at::Tensor> params_without_state) {
 }
 
 bool StepLists::held_lists_ok() const {
-  if (buffer0.size() != params.size()) return false;
-  for (size_t i = 0; i < params.size(); ++i) {
+  const size_t n = params.size();
+  if (buffer0.size() != n || steps.size() != n) return false;
+  // The buffers held (a list with tensors), each needing one tensor per parameter.
+  const std::vector<at::Tensor>* held[4];
+  int num_held = 0;
+  for (const std::vector<at::Tensor>* list : {&buffer0, &buffer1, &buffer2, &buffer3}) {
+    if (list->empty()) continue;
+    if (list->size() != n) return false;
+    held[num_held++] = list;
+  }
+  for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = params[i];
-    const at::Tensor& b = buffer0[i];
-    if (b.scalar_type() != p.scalar_type() || b.device() != p.device() ||
-        !b.sizes().equals(p.sizes()) || !dense_like(b, p)) {
-      return false;
+    for (int l = 0; l < num_held; ++l) {
+      if (!buffer_fits((*held[l])[i], p)) return false;
     }
+    if (!counter_fits(steps[i], p)) return false;
   }
   return true;
 }

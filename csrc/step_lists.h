@@ -60,9 +60,9 @@ struct StepLists : torch::CustomClassHolder {
                              std::optional<at::Tensor> found_inf);
 
   // A step over several batches first takes every batch's gradients, so that none steps
-  // unless all can (a gradient laid out unlike its parameter, or a parameter given new
-  // data: see held_lists_ok); each batch's step then uses what it took, and the gradients
-  // are read once. False, holding nothing, when this batch cannot step.
+  // unless all can (a gradient laid out unlike its parameter, or a parameter, buffer or
+  // counter given new data: see held_lists_ok); each batch's step then uses what it took,
+  // and the gradients are read once. False, holding nothing, when this batch cannot step.
   bool take_own_grads();
 
   void drop_taken_grads();
@@ -73,11 +73,14 @@ struct StepLists : torch::CustomClassHolder {
   // has thousands.
   void hold_outside(std::vector<at::Tensor> params_without_state);
 
-  // Whether the held parameters still fit their state (dtype, device, shape, layout). A
-  // parameter given new data (p.data = ...) changes under the held lists; the optimizer then
-  // rebuilds the batch, its state following the parameter. The buffers are the optimizer's
-  // own and were made to fit when the batch was built, so the first stands for all. A step
-  // over several batches, and a Triton step (whose kernels check nothing), ask this first.
+  // Whether the held tensors still fit together. Python can give any of them new data
+  // (p.data = ..., buf.data = buf.data.double(), step.data = torch.tensor(3)), which changes
+  // it under the held lists without the lists knowing; the optimizer then rebuilds the batch,
+  // its state following the parameter. So every held buffer must still match its parameter
+  // (dtype, device, shape, layout) and every step counter still be what the kernels read (one
+  // float32 element on the parameter's device). A step over several batches, and a Triton
+  // step (whose kernels check nothing), ask this first; it runs every repeated step, over
+  // thousands of tensors, so the cheap comparisons come first.
   bool held_lists_ok() const;
 
   // For the Triton step, which writes through raw pointers: the version counters of the
@@ -88,7 +91,7 @@ struct StepLists : torch::CustomClassHolder {
   // For a repeated Triton step: pointers() with the held parameters' own gradients, read
   // here, or with those take_own_grads() took (use_taken). Empty, the gradients let go of,
   // when a held parameter has no gradient or one unlike it (dtype, device, shape, layout), a
-  // parameter outside the lists has one, or a parameter was given new data (held_lists_ok):
+  // parameter outside the lists has one, or a held tensor was given new data (held_lists_ok):
   // the kernels check nothing, so the optimizer's careful path then takes the step.
   at::Tensor own_grad_pointers(bool use_taken, int64_t num_buffers);
 
