@@ -23,9 +23,6 @@ namespace {
 constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 constexpr int64_t kCpuTile = 512;
 
-// Element access in the arithmetic type for the storage types the loops run on directly:
-// fp32 and fp64 as they are, bf16 in fp32 (a shift in, round-to-nearest-even out), all of
-// which the compiler vectorises. fp16 does not: see cpu_range_body.
 // std::bit_cast, which the C++17 that older torch builds extensions with lacks.
 template <class To, class From>
 PNM_CPU_INLINE To bit_cast(From v) {
@@ -35,6 +32,9 @@ PNM_CPU_INLINE To bit_cast(From v) {
   return out;
 }
 
+// Element access in the arithmetic type for the storage types the loops run on directly:
+// fp32 and fp64 as they are, bf16 in fp32 (a shift in, round-to-nearest-even out), all of
+// which the compiler vectorises. fp16 does not: see cpu_range_body.
 PNM_CPU_INLINE float load(const float* a, int64_t i) { return a[i]; }
 PNM_CPU_INLINE void store(float* a, int64_t i, float v) { a[i] = v; }
 PNM_CPU_INLINE double load(const double* a, int64_t i) { return a[i]; }
