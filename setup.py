@@ -59,7 +59,15 @@ def torch_libstdcxx():
 # C++ runtime symbol to it; `-lstdc++` would pick whichever libstdc++ the compiler finds.
 libstdcxx = torch_libstdcxx() or "-lstdc++"
 link_flags = ["-fopenmp", "-Wl,--push-state,--no-as-needed", libstdcxx, "-Wl,--pop-state"]
-sources = ["csrc/pnm_ops.cpp"]
+# The C++ sources, CPU-only and CUDA builds alike. All take cxx_flags: -ffp-contract=off must
+# hold wherever element maths is compiled (cpu_kernel.cpp, emulated_cuda.cpp).
+sources = [
+    "csrc/ops.cpp",  # schemas, registration, test hooks, PyInit__C
+    "csrc/step_call.cpp",  # argument checks, kernel arguments
+    "csrc/step_lists.cpp",  # the StepLists custom class
+    "csrc/cpu_kernel.cpp",  # the fused CPU kernel
+    "csrc/emulated_cuda.cpp",  # the CUDA kernels' code on the host
+]
 # Headers: rebuild when they change (MANIFEST.in puts them in the sdist).
 headers = sorted(glob.glob("csrc/*.h"))
 if with_cuda:

@@ -20,15 +20,15 @@ namespace pnm {
 
 constexpr int kBlockSize = 512;
 // Elements a block updates, by element size. Smaller than torch's 65,536: a part-empty last
-// wave of large blocks is idle bandwidth. On an H200, side by side in one process
-// (benchmarks/results/gpu-h200-2026-11-26-run12), every fp32 step of 16M-1.2G elements took
-// 0.9-2.9 % less time with 4,096 than with 16,384 (which had taken 1.4-10 % less than 65,536,
-// run 9); bf16 AdaPNM took 7-35 % more with 4,096 and up to 6.5 % more with 8,192, bf16 PNM
-// within 2.2 % either way: 16-bit types keep 16,384 (a likely cause, not measured apart: every
-// thread computes its tensor's constants, AdaPNM's with two double pows, and a small chunk of a
-// 2-byte type gives that work few bytes to hide behind). fp64 takes fp32's size (run 15's
-// sweep: PNM 1.0-3.7 % slower with larger chunks, AdaPNM 1.4-2.6 % faster with 16,384; kept
-// one rule). Steps that fit one launch only with larger chunks: step_chunk_size.
+// wave of large blocks is idle bandwidth. On an H200, side by side in one process, every fp32
+// step of 16M-1.2G elements took 0.9-2.9 % less time with 4,096 than with 16,384 (which had
+// taken 1.4-10 % less than 65,536); bf16 AdaPNM took 7-35 % more with 4,096 and up to 6.5 %
+// more with 8,192, bf16 PNM within 2.2 % either way: 16-bit types keep 16,384 (a likely cause,
+// not measured apart: every thread computes its tensor's constants, AdaPNM's with two double
+// pows, and a small chunk of a 2-byte type gives that work few bytes to hide behind). fp64
+// takes fp32's size (PNM 1.0-3.7 % slower with larger chunks, AdaPNM 1.4-2.6 % faster with
+// 16,384; kept one rule). The measurements: docs/performance.md. Steps that fit one launch
+// only with larger chunks: step_chunk_size.
 // Must equal pnm_kernels._ops.cuda_chunk_size.
 constexpr int64_t default_chunk_size(size_t element_size) {
   return element_size >= 4 ? 4096 : 16384;
@@ -269,10 +269,10 @@ PNM_HOST_DEVICE void finish_launch(const LaunchTable<kLists>& tab, int thread, i
 // too many blocks for one launch (more than max_single_blocks; zero: no cap, no need) and
 // chunks of kSingleLaunchChunk would not, those: the step is then one launch instead of the
 // step and the counter launches. That takes an fp32 step of 0.54M-2.2M elements (on a GPU of
-// 132 SMs) to one launch. On an H200 (benchmarks/results/gpu-h200-2026-11-26-run14,
-// chunk_sweep.md, where the chunk size set for flat1M gave it exactly this plan), fp32 flat1M
-// took 0.044 ms a PNM step with 16,384-element chunks against 0.055 with 4,096 (AdaPNM 0.048
-// against 0.054): steps of this size are host-bound, and a launch less is host time less.
+// 132 SMs) to one launch. On an H200 (docs/performance.md; a chunk size set for flat1M gave
+// it exactly this plan), fp32 flat1M took 0.044 ms a PNM step with 16,384-element chunks
+// against 0.055 with 4,096 (AdaPNM 0.048 against 0.054): steps of this size are host-bound,
+// and a launch less is host time less.
 // A chunk size set through the test hook is kept as it is.
 constexpr int64_t kSingleLaunchChunk = 16384;
 inline int64_t step_chunk_size(int num_tensors, const int64_t* numels, size_t element_size,

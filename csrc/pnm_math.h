@@ -1,4 +1,4 @@
-// The per-element maths of PNM and AdaPNM (DESIGN.md §1), written once.
+// The per-element maths of PNM and AdaPNM (docs/design.md §1), written once.
 //
 // Every C++/CUDA path calls these functions: the fused CPU kernel, the CUDA kernels, and
 // the host emulation of the CUDA kernels that CI runs. Arithmetic is fp32 for fp32, fp16 and

@@ -51,11 +51,33 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type);
 
+// Same memory layout: equal strides on every dimension that has more than one element.
+inline bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
+  for (int64_t d = 0; d < a.dim(); ++d) {
+    if (a.size(d) > 1 && a.stride(d) != b.stride(d)) return false;
+  }
+  return true;
+}
+
+// What the kernels need of every list: dense, and laid out like the parameter. Both
+// contiguous is the common case, answered from cached flags. Inline: the checks of a step
+// over thousands of tensors call it for each.
+inline bool dense_like(const at::Tensor& t, const at::Tensor& p) {
+  return (t.is_contiguous() && p.is_contiguous()) ||
+         (t.is_non_overlapping_and_dense() && same_layout_as(t, p));
+}
+
+// The optimizer's per-step gradient check for a batch, without a Python loop: the index of
+// the first gradient that does not fit its parameter, -1 if all do. With same_layout, a
+// gradient that is not dense and laid out like its parameter counts too.
+int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool same_layout);
+
 // Bumps the version counter of every tensor the op may write (all but the grads), as torch's
 // in-place ops do: autograd then refuses a backward through a graph that saved a parameter
 // the step changed, instead of using the new values. Inference tensors have no counter
 // (torch.autograd.graph.increment_version skips them too).
 void bump_versions(const StepCall& call);
+void bump_versions_of(at::TensorList tensors);
 
 // Kernel scalars. Device-resident scalars become pointers; an lr tensor on the CPU is read here.
 StepArgs make_step_args(const StepCall& call);
@@ -137,5 +159,10 @@ void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList 
   bump_versions(call);
   Impl::run(call);
 }
+
+// The ops' C++ signatures, as the dispatcher's typed handles take them (StepLists calls the
+// registered ops). Impl does not enter the signature.
+using PnmStepFn = decltype(pnm_step_op<void>);
+using AdaPnmStepFn = decltype(adapnm_step_op<void>);
 
 }  // namespace pnm

@@ -1,0 +1,64 @@
+// The CUDA kernels' code executed on the host, for CPU tensors: the launch tables of
+// multi_tensor_apply.h and the same block body as pnm_cuda.cu's kernels, walked block by block
+// and thread by thread. CI has no GPU; the tests check the CUDA path's planning and
+// arithmetic through this, and that the fused CPU kernel equals it bit for bit on every ISA
+// (docs/design.md §4). Element maths: built with -ffp-contract=off (setup.py).
+#include "emulated_cuda.h"
+
+namespace pnm {
+namespace {
+
+// In a single-launch step blocks take their tickets in order, so the last one to take one
+// is the last block, as on the GPU.
+template <typename T, class Algo>
+void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
+  const GatheredPointers g = gather_pointers(call);
+  const int n = static_cast<int>(call.size());
+  unsigned int* const blocks_done = blocks_done_ptr(call);
+  TORCH_CHECK(blocks_done == nullptr || *blocks_done == 0,
+              "pnm_kernels: blocks_done must be zero when a step starts, got ", *blocks_done);
+  const LaunchLimits& limits = launch_limits();
+  const int max_single_blocks = blocks_done != nullptr ? limits.max_single_launch_blocks : 0;
+  auto tables = plan_launches<Algo::kLists>(n, g.ptrs.data(), g.steps.data(), g.numels.data(),
+                                            sizeof(T), limits, max_single_blocks);
+  if (make_single_launch(tables, blocks_done, max_single_blocks)) {
+    if (step_skipped(args.found_inf)) return;
+    const LaunchTable<Algo::kLists>& table = tables[0];
+    const int grid = single_launch_grid(table);
+    for (int block = 0; block < grid; ++block) {
+      if (block < table.num_blocks) {  // else the one block of a table of empty tensors
+        for (int thread = 0; thread < kBlockSize; ++thread) {
+          step_block<T, Algo>(table, args, block, thread, kBlockSize);
+        }
+      }
+      if (++*blocks_done == static_cast<unsigned int>(grid)) {  // this block's ticket
+        for (int thread = 0; thread < kBlockSize; ++thread) finish_launch(table, thread, kBlockSize);
+      }
+    }
+    return;
+  }
+  for (const auto& table : tables) {
+    for (int block = 0; block < table.num_blocks; ++block) {
+      for (int thread = 0; thread < kBlockSize; ++thread) {
+        step_block<T, Algo>(table, args, block, thread, kBlockSize);
+      }
+    }
+  }
+  for (const auto& counters : plan_step_counters(n, g.steps.data())) {
+    for (int thread = 0; thread < kBlockSize; ++thread) {
+      increment_steps(counters, args.found_inf, thread, kBlockSize);
+    }
+  }
+}
+
+}  // namespace
+
+void emulated_cuda_step(const StepCall& call) {
+  if (call.size() == 0) return;
+  const StepArgs args = make_step_args(call);
+  dispatch_step(call, [&](auto t, auto a) {
+    run_emulated_cuda<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+  });
+}
+
+}  // namespace pnm

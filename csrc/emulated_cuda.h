@@ -1,0 +1,11 @@
+// The CPU emulation of the CUDA launch (emulated_cuda.cpp): the emulated_cuda_* ops.
+#pragma once
+
+#include "step_call.h"
+
+namespace pnm {
+
+// One step of the CUDA kernels' code on CPU tensors: pnm_cuda.cu's launches, emulated.
+void emulated_cuda_step(const StepCall& call);
+
+}  // namespace pnm

@@ -1,0 +1,225 @@
+// The argument checks of the ops (all before anything is written) and what the CPU, emulated
+// and CUDA implementations make of a checked call: its scalars and its raw pointers.
+#include "step_call.h"
+
+#include <cmath>
+
+namespace pnm {
+
+// The launch tables' limits, shared by the CUDA launcher and its CPU emulation; the tests
+// set them (_set_launch_limits) to reach plans that only huge tensors would otherwise need.
+LaunchLimits& launch_limits() {
+  static LaunchLimits limits;
+  return limits;
+}
+
+namespace {
+
+constexpr const char* kPnmListNames[] = {"params", "grads", "pos_momentums", "neg_momentums"};
+constexpr const char* kAdaPnmListNames[] = {"params",       "grads",      "exp_avgs",
+                                            "neg_exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
+
+void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
+                         const c10::Device& device, bool lr) {
+  if (!t.has_value()) return;
+  const bool dtype_ok =
+      t->scalar_type() == at::kFloat || (lr && t->scalar_type() == at::kDouble);
+  TORCH_CHECK(t->numel() == 1 && dtype_ok, "pnm_kernels: ", name, " must be a ",
+              lr ? "float32 or float64" : "float32", " tensor with one element, got ",
+              t->scalar_type(), " with ", t->numel(), " elements");
+  TORCH_CHECK(t->device() == device || (lr && t->device().is_cpu()),
+              "pnm_kernels: ", name, " is on ", t->device(), " but params are on ", device);
+}
+
+void check_call(const StepCall& call, const char* const* names, c10::DeviceType device_type) {
+  const size_t n = call.lists[0].size();
+  for (int l = 1; l < call.num_lists; ++l) {
+    TORCH_CHECK(call.lists[l].size() == n, "pnm_kernels: ", names[l], " has ",
+                call.lists[l].size(), " tensors but params has ", n);
+  }
+  TORCH_CHECK(call.steps.size() == n, "pnm_kernels: steps has ", call.steps.size(),
+              " tensors but params has ", n);
+  const Hyper& h = call.hyper;
+  TORCH_CHECK(std::isfinite(call.lr) && call.lr >= 0.0, "pnm_kernels: invalid lr ", call.lr);
+  TORCH_CHECK(h.beta1 >= 0.0 && h.beta1 < 1.0, "pnm_kernels: invalid beta1 ", h.beta1);
+  TORCH_CHECK(h.beta2 >= 0.0 && h.beta2 < 1.0, "pnm_kernels: invalid beta2 ", h.beta2);
+  TORCH_CHECK(std::isfinite(h.beta0), "pnm_kernels: invalid beta0 ", h.beta0);
+  TORCH_CHECK(std::isfinite(h.eps) && h.eps >= 0.0, "pnm_kernels: invalid eps ", h.eps);
+  TORCH_CHECK(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0,
+              "pnm_kernels: invalid weight_decay ", h.weight_decay);
+  if (n == 0) return;
+
+  const at::Tensor& first = call.lists[0][0];
+  const c10::Device device = first.device();
+  const at::ScalarType dtype = first.scalar_type();
+  TORCH_CHECK(device.type() == device_type, "pnm_kernels: this kernel takes ",
+              c10::DeviceTypeName(device_type), " tensors, but params[0] is on ", device);
+  TORCH_CHECK(dtype == at::kFloat || dtype == at::kDouble || dtype == at::kHalf ||
+                  dtype == at::kBFloat16,
+              "pnm_kernels: params[0] has dtype ", dtype,
+              "; the fused kernels take float32, float64, float16 and bfloat16");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = call.lists[0][i];
+    for (int l = 0; l < call.num_lists; ++l) {
+      const at::Tensor& t = call.lists[l][i];
+      TORCH_CHECK(t.defined(), "pnm_kernels: ", names[l], "[", i, "] is undefined");
+      TORCH_CHECK(t.layout() == at::kStrided, "pnm_kernels: ", names[l], "[", i,
+                  "] is sparse; PNM/AdaPNM do not support sparse tensors");
+      TORCH_CHECK(t.device() == device, "pnm_kernels: ", names[l], "[", i, "] is on ",
+                  t.device(), " but params[0] is on ", device);
+      TORCH_CHECK(t.scalar_type() == dtype, "pnm_kernels: ", names[l], "[", i, "] has dtype ",
+                  t.scalar_type(), " but params[0] has ", dtype,
+                  " (one call takes one dtype; group tensors by dtype)");
+      TORCH_CHECK(t.sizes() == p.sizes(), "pnm_kernels: ", names[l], "[", i, "] has shape ",
+                  t.sizes(), " but params[", i, "] has shape ", p.sizes());
+      TORCH_CHECK(dense_like(t, p), "pnm_kernels: ", names[l], "[", i,
+                  "] must be dense and laid out like params[", i, "] (strides ", t.strides(),
+                  " vs ", p.strides(), ")");
+    }
+    const at::Tensor& s = call.steps[i];
+    TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat &&
+                    s.device() == device,
+                "pnm_kernels: steps[", i, "] must be a float32 tensor with one element on ",
+                device);
+  }
+  // lr alone may be float64 (read in full, for float64 parameters) and on the CPU (read on
+  // the host, with no device synchronisation).
+  check_scalar_tensor(call.lr_tensor, "lr_tensor", device, /*lr=*/true);
+  check_scalar_tensor(call.grad_scale, "grad_scale", device, /*lr=*/false);
+  check_scalar_tensor(call.found_inf, "found_inf", device, /*lr=*/false);
+  if (call.blocks_done.has_value()) {
+    const at::Tensor& d = *call.blocks_done;
+    TORCH_CHECK(d.numel() == 1 && d.scalar_type() == at::kInt,
+                "pnm_kernels: blocks_done must be an int32 tensor with one element, got ",
+                d.scalar_type(), " with ", d.numel(), " elements");
+    TORCH_CHECK(d.device() == device, "pnm_kernels: blocks_done is on ", d.device(),
+                " but params are on ", device);
+  }
+}
+
+// What a PNM and an AdaPNM call have in common: the first four lists (param, grad and the
+// two momentum buffers), the counters and the step's scalars.
+StepCall common_call(at::TensorList params, at::TensorList grads, at::TensorList positive,
+                     at::TensorList negative, at::TensorList steps, double lr,
+                     const std::optional<at::Tensor>& lr_tensor,
+                     const std::optional<at::Tensor>& grad_scale,
+                     const std::optional<at::Tensor>& found_inf,
+                     const std::optional<at::Tensor>& blocks_done, bool decoupled) {
+  StepCall call;
+  call.lists[0] = params;
+  call.lists[1] = grads;
+  call.lists[2] = positive;
+  call.lists[3] = negative;
+  call.steps = steps;
+  call.lr = lr;
+  call.lr_tensor = lr_tensor;
+  call.grad_scale = grad_scale;
+  call.found_inf = found_inf;
+  call.blocks_done = blocks_done;
+  call.decoupled = decoupled;
+  return call;
+}
+
+}  // namespace
+
+StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
+                       at::TensorList neg_momentums, at::TensorList steps, double lr,
+                       double beta1, double beta0, double weight_decay, bool decoupled,
+                       bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf,
+                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type) {
+  StepCall call = common_call(params, grads, pos_momentums, neg_momentums, steps, lr,
+                              lr_tensor, grad_scale, found_inf, blocks_done, decoupled);
+  call.num_lists = 4;
+  call.hyper = Hyper{beta1, 0.0, beta0, 0.0, weight_decay, maximize};
+  check_call(call, kPnmListNames, device_type);
+  return call;
+}
+
+StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
+                          at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
+                          double beta1, double beta2, double beta0, double eps,
+                          double weight_decay, bool amsgrad, bool decoupled, bool maximize,
+                          const std::optional<at::Tensor>& lr_tensor,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf,
+                          const std::optional<at::Tensor>& blocks_done,
+                          c10::DeviceType device_type) {
+  StepCall call = common_call(params, grads, exp_avgs, neg_exp_avgs, steps, lr, lr_tensor,
+                              grad_scale, found_inf, blocks_done, decoupled);
+  call.num_lists = amsgrad ? 6 : 5;
+  call.lists[4] = exp_avg_sqs;
+  if (amsgrad) call.lists[5] = max_exp_avg_sqs;
+  call.hyper = Hyper{beta1, beta2, beta0, eps, weight_decay, maximize};
+  call.adaptive = true;
+  call.amsgrad = amsgrad;
+  check_call(call, kAdaPnmListNames, device_type);
+  return call;
+}
+
+void bump_versions_of(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (!t.is_inference()) t.unsafeGetTensorImpl()->bump_version();
+  }
+}
+
+void bump_versions(const StepCall& call) {
+  for (int l = 0; l < call.num_lists; ++l) {
+    if (l != 1) bump_versions_of(call.lists[l]);  // grads are only read
+  }
+  bump_versions_of(call.steps);
+}
+
+StepArgs make_step_args(const StepCall& call) {
+  StepArgs args{};
+  args.hyper = call.hyper;
+  args.lr = call.lr;
+  if (call.lr_tensor.has_value()) {
+    const at::Tensor& lr = *call.lr_tensor;
+    const bool f64 = lr.scalar_type() == at::kDouble;
+    if (lr.device() == call.lists[0][0].device()) {  // read by the kernel
+      if (f64) args.lr_f64_ptr = lr.const_data_ptr<double>();
+      else args.lr_ptr = lr.const_data_ptr<float>();
+    } else {  // a CPU lr for device params: read it here, no synchronisation needed
+      args.lr = f64 ? *lr.const_data_ptr<double>()
+                    : static_cast<double>(*lr.const_data_ptr<float>());
+    }
+  }
+  if (call.grad_scale.has_value()) args.grad_scale = call.grad_scale->const_data_ptr<float>();
+  if (call.found_inf.has_value()) args.found_inf = call.found_inf->const_data_ptr<float>();
+  return args;
+}
+
+GatheredPointers gather_pointers(const StepCall& call) {
+  GatheredPointers g;
+  const int64_t n = call.size();
+  g.ptrs.reserve(n * call.num_lists);
+  g.steps.reserve(n);
+  g.numels.reserve(n);
+  for (int64_t i = 0; i < n; ++i) {
+    for (int l = 0; l < call.num_lists; ++l) g.ptrs.push_back(call.lists[l][i].data_ptr());
+    g.steps.push_back(static_cast<float*>(call.steps[i].data_ptr()));
+    g.numels.push_back(call.lists[0][i].numel());
+  }
+  return g;
+}
+
+int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool same_layout) {
+  TORCH_CHECK(params.size() == grads.size(), "pnm_kernels: ", grads.size(), " grads for ",
+              params.size(), " params");
+  for (size_t i = 0; i < params.size(); ++i) {
+    const at::Tensor& p = params[i];
+    const at::Tensor& g = grads[i];
+    if (!g.defined() || g.layout() != at::kStrided || p.layout() != at::kStrided ||
+        p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
+        g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
+        !g.sizes().equals(p.sizes()) || (same_layout && !dense_like(g, p))) {
+      return static_cast<int64_t>(i);
+    }
+  }
+  return -1;
+}
+
+}  // namespace pnm

@@ -1,0 +1,135 @@
+// StepLists, the custom class torch.classes.pnm_kernels.StepLists: the lists of a batch that
+// stay the same from step to step, held in C++ so that a repeated step converts only its
+// gradients from Python.
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
+
+#include <optional>
+#include <vector>
+
+namespace pnm {
+
+// The lists of a batch that stay the same from step to step (parameters, buffers, step
+// counters), converted from Python once: an eager step then converts only its gradients,
+// which for thousands of small tensors is most of the host time. Each step goes through the
+// registered ops, so every check and every device's kernel is the same as for a direct call.
+// The batch's own blocks_done counter (optional) lets a CUDA step be a single launch.
+// Buffers it does not hold (buffer2 and buffer3 for PNM, buffer3 without AMSGrad) are empty
+// lists.
+struct StepLists : torch::CustomClassHolder {
+  std::vector<at::Tensor> params, buffer0, buffer1, buffer2, buffer3, steps;
+  std::optional<at::Tensor> blocks_done;
+
+  StepLists(std::vector<at::Tensor> params, std::vector<at::Tensor> buffer0,
+            std::vector<at::Tensor> buffer1, std::vector<at::Tensor> buffer2,
+            std::vector<at::Tensor> buffer3, std::vector<at::Tensor> steps,
+            std::optional<at::Tensor> blocks_done)
+      : params(std::move(params)), buffer0(std::move(buffer0)), buffer1(std::move(buffer1)),
+        buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)),
+        blocks_done(std::move(blocks_done)) {}
+
+  void pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
+                double beta0, double weight_decay, bool decoupled, bool maximize,
+                std::optional<at::Tensor> lr_tensor, std::optional<at::Tensor> grad_scale,
+                std::optional<at::Tensor> found_inf);
+
+  void adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
+                   double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+                   bool decoupled, bool maximize, std::optional<at::Tensor> lr_tensor,
+                   std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf);
+
+  // A step with the held parameters' own gradients (read here, so none cross over from
+  // Python), or with those take_own_grads() took for it (use_taken). A parameter without a
+  // gradient does not step, as on the careful path. Returns false, having done nothing,
+  // when a gradient is not dense and laid out like its parameter, or a parameter outside
+  // the lists (hold_outside) has one: the optimizer then takes its careful path, which
+  // copies it, makes its state or says what is wrong.
+  bool pnm_step_own_grads(bool use_taken, bool emulate, double lr, double beta1, double beta0,
+                          double weight_decay, bool decoupled, bool maximize,
+                          std::optional<at::Tensor> lr_tensor,
+                          std::optional<at::Tensor> grad_scale,
+                          std::optional<at::Tensor> found_inf);
+
+  bool adapnm_step_own_grads(bool use_taken, bool emulate, double lr, double beta1,
+                             double beta2, double beta0, double eps, double weight_decay,
+                             bool amsgrad, bool decoupled, bool maximize,
+                             std::optional<at::Tensor> lr_tensor,
+                             std::optional<at::Tensor> grad_scale,
+                             std::optional<at::Tensor> found_inf);
+
+  // A step over several batches first takes every batch's gradients, so that none steps
+  // unless all can (a gradient laid out unlike its parameter, or a parameter, buffer or
+  // counter given new data: see held_lists_ok); each batch's step then uses what it took,
+  // and the gradients are read once. False, holding nothing, when this batch cannot step.
+  bool take_own_grads();
+
+  void drop_taken_grads();
+
+  // Parameters of the batch's param group that have no state and so are not held: a
+  // gradient for one of them makes the own-gradient steps decline (the careful path then
+  // makes its state). Checked here, not in Python: a model passed whole, most of it frozen,
+  // has thousands.
+  void hold_outside(std::vector<at::Tensor> params_without_state);
+
+  // Whether the held tensors still fit together. Python can give any of them new data
+  // (p.data = ..., buf.data = buf.data.double(), step.data = torch.tensor(3)), which changes
+  // it under the held lists without the lists knowing; the optimizer then rebuilds the batch,
+  // its state following the parameter. So every held buffer must still match its parameter
+  // (dtype, device, shape, layout) and every step counter still be what the kernels read (one
+  // float32 element on the parameter's device). A step over several batches, and a Triton
+  // step (whose kernels check nothing), ask this first; it runs every repeated step, over
+  // thousands of tensors, so the cheap comparisons come first.
+  bool held_lists_ok() const;
+
+  // For the Triton step, which writes through raw pointers: the version counters of the
+  // params, the first num_buffers buffers and the counters (see bump_versions in
+  // step_call.h).
+  void bump_versions(int64_t num_buffers);
+
+  // For a repeated Triton step: pointers() with the held parameters' own gradients, read
+  // here, or with those take_own_grads() took (use_taken). Empty, the gradients let go of,
+  // when a held parameter has no gradient or one unlike it (dtype, device, shape, layout), a
+  // parameter outside the lists has one, or a held tensor was given new data (held_lists_ok):
+  // the kernels check nothing, so the optimizer's careful path then takes the step.
+  at::Tensor own_grad_pointers(bool use_taken, int64_t num_buffers);
+
+  // The data pointers of params, grads and the first num_buffers buffers (list-major), then
+  // of the step counters, then the params' element counts, as one int64 CPU tensor: what the
+  // Triton kernels' tables hold.
+  at::Tensor pointers(std::vector<at::Tensor> grads, int64_t num_buffers);
+
+ private:
+  // A step's gradients, in the order of the held parameters that have one; `present` says
+  // which those are, and is empty when every held parameter has one.
+  struct OwnGrads {
+    std::vector<at::Tensor> grads;
+    std::vector<int64_t> present;
+  };
+  OwnGrads taken;  // see take_own_grads
+  bool has_taken = false;
+  std::vector<at::Tensor> outside;  // see hold_outside
+
+  bool own_or_taken_grads(bool use_taken, OwnGrads& own);
+  bool own_grads(OwnGrads& own) const;
+
+  void pnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
+                   const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
+                   const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1,
+                   double beta0, double weight_decay, bool decoupled, bool maximize,
+                   const std::optional<at::Tensor>& lr_tensor,
+                   const std::optional<at::Tensor>& grad_scale,
+                   const std::optional<at::Tensor>& found_inf);
+
+  void adapnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
+                      const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
+                      const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& v_max,
+                      const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1,
+                      double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+                      bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf);
+};
+
+}  // namespace pnm
