@@ -194,7 +194,7 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
   Coeffs<C> coeffs{};
   for (int64_t i = 0; i < n; ++i) {
     // Types were checked with the call: the untyped pointers skip a check per tensor.
-    const double step = static_cast<double>(*static_cast<float*>(call.steps[i].data_ptr())) + 1.0;
+    const double step = *static_cast<double*>(call.steps[i].data_ptr()) + 1.0;
     for (int l = 0; l < Algo::kLists; ++l) {
       work[i].ptr[l] = static_cast<T*>(call.lists[l][i].data_ptr());
     }
@@ -219,7 +219,7 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
       if (begin < end) cpu_range(work[i], begin, end, gf);
     }
   });
-  for (int64_t i = 0; i < n; ++i) *static_cast<float*>(call.steps[i].data_ptr()) += 1.0f;
+  for (int64_t i = 0; i < n; ++i) *static_cast<double*>(call.steps[i].data_ptr()) += 1.0;
 }
 
 }  // namespace

@@ -69,7 +69,7 @@ struct LaunchTable {
   static constexpr int kMaxBlocks = 1 << 30;
   static constexpr int kMaxTensors = 30000 / (8 * kLists + 24);
   void* ptrs[kLists][kMaxTensors];
-  float* steps[kMaxTensors];
+  double* steps[kMaxTensors];  // float64: exact to 2^53 steps
   int64_t numels[kMaxTensors];
   int32_t block_begin[kMaxTensors];  // the slot's first block; its blocks end where the next
                                      // slot's blocks begin (an empty tensor owns none)
@@ -109,7 +109,7 @@ PNM_HOST_DEVICE BlockChunk block_chunk(const LaunchTable<kLists>& tab, int block
 // unless the step is a single launch given a blocks_done counter.
 struct StepCounterTable {
   static constexpr int kMax = 1024;
-  float* steps[kMax];
+  double* steps[kMax];
   int count;
 };
 
@@ -251,7 +251,7 @@ PNM_UNROLL
 PNM_HOST_DEVICE void increment_steps(const StepCounterTable& tab, const float* found_inf,
                                      int thread, int block_dim) {
   if (step_skipped(found_inf)) return;
-  for (int i = thread; i < tab.count; i += block_dim) *tab.steps[i] += 1.0f;
+  for (int i = thread; i < tab.count; i += block_dim) *tab.steps[i] += 1.0;
 }
 
 // A step that is a single launch given a blocks_done counter (zero between steps) needs no
@@ -261,7 +261,7 @@ PNM_HOST_DEVICE void increment_steps(const StepCounterTable& tab, const float* f
 // ticket is taken in a step skipped for found_inf.
 template <int kLists>
 PNM_HOST_DEVICE void finish_launch(const LaunchTable<kLists>& tab, int thread, int block_dim) {
-  for (int i = thread; i < tab.num_tensors; i += block_dim) *tab.steps[i] += 1.0f;
+  for (int i = thread; i < tab.num_tensors; i += block_dim) *tab.steps[i] += 1.0;
   if (thread == 0) *tab.blocks_done = 0;
 }
 
@@ -298,7 +298,7 @@ inline int64_t step_chunk_size(int num_tensors, const int64_t* numels, size_t el
 // step may have (zero where it has no blocks_done counter).
 template <int kLists>
 std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptrs,
-                                               float* const* steps, const int64_t* numels,
+                                               double* const* steps, const int64_t* numels,
                                                size_t element_size, const LaunchLimits& limits,
                                                int max_single_blocks) {
   using Table = LaunchTable<kLists>;
@@ -369,7 +369,7 @@ int single_launch_grid(const LaunchTable<kLists>& table) {
   return table.num_blocks > 0 ? table.num_blocks : 1;
 }
 
-inline std::vector<StepCounterTable> plan_step_counters(int num_tensors, float* const* steps) {
+inline std::vector<StepCounterTable> plan_step_counters(int num_tensors, double* const* steps) {
   std::vector<StepCounterTable> tables;
   for (int i = 0; i < num_tensors; ++i) {
     if (i % StepCounterTable::kMax == 0) {

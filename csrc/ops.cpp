@@ -43,7 +43,7 @@ std::vector<int64_t> launch_plan(at::IntArrayRef numels, int64_t element_size,
   for (int i = 0; i < n; ++i) {  // stand-in addresses that name the tensor
     for (int l = 0; l < kLists; ++l) ptrs[i * kLists + l] = reinterpret_cast<void*>((i + 1) * 64);
   }
-  std::vector<float*> steps(n, nullptr);
+  std::vector<double*> steps(n, nullptr);
   const auto tables = plan_launches<kLists>(n, ptrs.data(), steps.data(), numels.data(),
                                             static_cast<size_t>(element_size), launch_limits(),
                                             static_cast<int>(max_single_launch_blocks));

@@ -77,9 +77,9 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   " vs ", p.strides(), ")");
     }
     const at::Tensor& s = call.steps[i];
-    TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kFloat &&
+    TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kDouble &&
                     s.device() == device,
-                "pnm_kernels: steps[", i, "] must be a float32 tensor with one element on ",
+                "pnm_kernels: steps[", i, "] must be a float64 tensor with one element on ",
                 device);
   }
   // lr alone may be float64 (read in full, for float64 parameters) and on the CPU (read on
@@ -200,7 +200,7 @@ GatheredPointers gather_pointers(const StepCall& call) {
   g.numels.reserve(n);
   for (int64_t i = 0; i < n; ++i) {
     for (int l = 0; l < call.num_lists; ++l) g.ptrs.push_back(call.lists[l][i].data_ptr());
-    g.steps.push_back(static_cast<float*>(call.steps[i].data_ptr()));
+    g.steps.push_back(static_cast<double*>(call.steps[i].data_ptr()));
     g.numels.push_back(call.lists[0][i].numel());
   }
   return g;

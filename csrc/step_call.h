@@ -85,7 +85,7 @@ StepArgs make_step_args(const StepCall& call);
 // Raw pointers in the layout plan_launches() takes.
 struct GatheredPointers {
   std::vector<void*> ptrs;  // tensor-major, num_lists per tensor
-  std::vector<float*> steps;
+  std::vector<double*> steps;
   std::vector<int64_t> numels;
 };
 GatheredPointers gather_pointers(const StepCall& call);

@@ -51,7 +51,7 @@ inline bool buffer_fits(const at::Tensor& b, const at::Tensor& p) {
 
 // A held step counter is still what the kernels read and write (what check_call asks of it).
 inline bool counter_fits(const at::Tensor& s, const at::Tensor& p) {
-  return s.defined() && s.scalar_type() == at::kFloat && s.numel() == 1 &&
+  return s.defined() && s.scalar_type() == at::kDouble && s.numel() == 1 &&
          s.device() == p.device();
 }
 

@@ -78,7 +78,7 @@ struct StepLists : torch::CustomClassHolder {
   // it under the held lists without the lists knowing; the optimizer then rebuilds the batch,
   // its state following the parameter. So every held buffer must still match its parameter
   // (dtype, device, shape, layout) and every step counter still be what the kernels read (one
-  // float32 element on the parameter's device). A step over several batches, and a Triton
+  // float64 element on the parameter's device). A step over several batches, and a Triton
   // step (whose kernels check nothing), ask this first; it runs every repeated step, over
   // thousands of tensors, so the cheap comparisons come first.
   bool held_lists_ok() const;

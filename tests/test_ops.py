@@ -12,6 +12,9 @@ from conftest import make_params, requires_extension
 from pnm_kernels._ops import (cpu_isa, cpu_isas, cuda_chunk_size, default_cpu_isa, set_cpu_isa,
                               set_launch_limits)
 
+# The ops' step counters: float64 (exact to 2^53 steps; docs/design.md §5)
+STEP = torch.float64
+
 pytestmark = requires_extension
 
 
@@ -20,7 +23,7 @@ def pnm_args(n=3, dtype=torch.float32, device="cpu"):
     gen = torch.Generator().manual_seed(0)
     mk = lambda: [torch.randn(s, generator=gen).to(dtype).to(device) for s in shapes]  # noqa: E731
     zeros = lambda: [torch.zeros(s, dtype=dtype, device=device) for s in shapes]  # noqa: E731
-    steps = [torch.tensor(float(i), device=device) for i in range(len(shapes))]
+    steps = [torch.tensor(float(i), dtype=STEP, device=device) for i in range(len(shapes))]
     return [mk(), mk(), zeros(), zeros(), steps]
 
 
@@ -123,7 +126,7 @@ BAD_CALLS = [
     ("not dense", lambda a: a[1].__setitem__(1, torch.zeros(260)[::2]),
      r"grads\[1\] must be dense"),
     ("step dtype", lambda a: a[4].__setitem__(0, torch.tensor(1, dtype=torch.int64)),
-     r"steps\[0\] must be a float32"),
+     r"steps\[0\] must be a float64"),
     ("param dtype", lambda a: a.__setitem__(0, [t.to(torch.float8_e4m3fn) for t in a[0]]),
      "params\\[0\\] has dtype Float8_e4m3fn"),
 ]
@@ -200,7 +203,7 @@ def _emulated_beside_the_cpu_kernel(params, num_steps, blocks_done, **hyper):
     sides = []
     for p in (params, [p.clone() for p in params]):
         sides.append((p, [[torch.zeros_like(q) for q in p] for _ in range(4)],
-                      [torch.zeros(()) for _ in p]))
+                      [torch.zeros((), dtype=STEP) for _ in p]))
     for _ in range(num_steps):
         grads = [torch.randn(p.shape).to(p.dtype) for p in params]
         for (ps, buffers, steps), op in zip(sides, ("emulated_cuda_adapnm_step_", "adapnm_step_")):
@@ -229,7 +232,7 @@ def test_single_launch_counters_skip_a_found_inf_step_and_count_empty_params(lim
             for t, o in zip(lst, old):
                 assert torch.equal(t, o)
         assert blocks_done.item() == 0
-        empty = [[torch.zeros(0)] * 2 for _ in range(4)] + [[torch.zeros(()), torch.ones(())]]
+        empty = [[torch.zeros(0)] * 2 for _ in range(4)] + [[torch.zeros((), dtype=STEP), torch.ones((), dtype=STEP)]]
         op(*empty, **pnm_kwargs(), blocks_done=blocks_done)
         assert [s.item() for s in empty[4]] == [1.0, 2.0] and blocks_done.item() == 0
     finally:
@@ -398,7 +401,7 @@ def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(each_cpu_isa, algo
     amsgrad = algo == "adapnm"
     n_buffers = (4 if amsgrad else 3) if adaptive else 2
     state = {op: ([[torch.zeros_like(p) for p in ps] for _ in range(n_buffers)],
-                  [torch.zeros(()) for _ in ps]) for op, ps in params.items()}
+                  [torch.zeros((), dtype=STEP) for _ in ps]) for op, ps in params.items()}
     kwargs = (adapnm_kwargs(amsgrad=amsgrad, decoupled=algo.endswith("no-amsgrad"))
               if adaptive else pnm_kwargs(decoupled=algo == "pnm"))
     name = "adapnm_step_" if adaptive else "pnm_step_"
@@ -426,7 +429,7 @@ def test_the_cpu_kernel_splits_elements_between_threads_without_gaps_or_overlaps
     params = {op: [p.detach() for p in make_params(shapes, device="cpu")]
               for op in ("pnm_step_", "emulated_cuda_pnm_step_")}
     state = {op: ([[torch.zeros_like(p) for p in ps] for _ in range(2)],
-                  [torch.zeros(()) for _ in ps]) for op, ps in params.items()}
+                  [torch.zeros((), dtype=STEP) for _ in ps]) for op, ps in params.items()}
     previous = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -461,7 +464,7 @@ def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, each
     for op in ("pnm_step_", "emulated_cuda_pnm_step_"):
         params = [torch.randn(512, generator=torch.Generator().manual_seed(1)).to(dtype)]
         bufs = [[torch.zeros_like(params[0])], [torch.ones_like(params[0])]]
-        steps = [torch.zeros(())]
+        steps = [torch.zeros((), dtype=STEP)]
         for _ in range(3):
             getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps,
                                                **pnm_kwargs(lr=1e3, beta1=0.5))
@@ -489,7 +492,7 @@ def test_adapnm_special_values_in_every_lane_match_the_emulated_cuda_body(dtype,
         old_max[[3, 100, 517]] = float("nan")  # a NaN maximum stays, whatever v is
         bufs = [[torch.zeros_like(params[0])], [torch.ones_like(params[0])],
                 [torch.zeros_like(params[0])], [old_max.to(dtype)]]
-        steps = [torch.zeros(())]
+        steps = [torch.zeros((), dtype=STEP)]
         for _ in range(3):
             getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps,
                                                **adapnm_kwargs(beta2=0.5))

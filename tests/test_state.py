@@ -74,7 +74,7 @@ def test_loads_a_checkpoint_in_the_authors_format(name):
     opt2 = OPTIMIZERS[name](resumed, lr=1e-2)
     opt2.load_state_dict(saved)
     assert opt2.param_groups[0]["maximize"] is False
-    assert opt2.state[resumed[0]]["step"].dtype == torch.float32
+    assert opt2.state[resumed[0]]["step"].dtype == torch.float64
     train(opt2, resumed, 3, start=4)
     for p, q in zip(resumed, straight):
         assert torch.equal(p, q)

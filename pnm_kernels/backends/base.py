@@ -1,0 +1,146 @@
+"""What every backend takes and the one protocol they are called through.
+
+A backend steps one batch: the parameters of one param group on one device and of one dtype,
+their gradients, state buffers (in kernel table order: PNM pos_momentum, neg_momentum; AdaPNM
+exp_avg, neg_exp_avg, exp_avg_sq[, max_exp_avg_sq]) and step counters. Backends that hold a
+batch's lists in C++ between steps (fused, Triton) can also repeat a step from those lists,
+reading each parameter's gradient there (see pnm_kernels/repeat.py)."""
+import os
+from dataclasses import dataclass, field
+from typing import Callable, Optional, Protocol
+
+import torch
+
+from .._ops import extension_error
+from ..hyper import Hyper
+from .layout import fits
+
+EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
+PNM_BUFFERS: tuple[str, ...] = ("pos_momentum", "neg_momentum")
+ADAPNM_BUFFERS: tuple[str, ...] = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+# Step counters: float32, as torch's capturable and fused optimizers keep them.
+STEP_DTYPE = torch.float32
+
+
+@dataclass
+class HeldLists:
+    """What a backend derives once from a cached batch's lists (parameters, buffers and
+    counters stay the same from step to step) and keeps until the batch is dropped."""
+    shards: bool = False  # the parameters are DTensors; the lists hold their local shards
+    step_lists: Optional[object] = None  # the C++ copy of the lists (pnm_kernels._C StepLists)
+    triton_tables: list = field(default_factory=list)  # [(key, pointers, device tables)]
+    triton_blocks_done: Optional[torch.Tensor] = None  # the Triton launch's ticket counter
+
+
+@dataclass
+class Batch:
+    params: list = field(default_factory=list)
+    grads: list = field(default_factory=list)
+    buffers: list = field(default_factory=list)  # one list per buffer name
+    steps: list = field(default_factory=list)
+    held: Optional[HeldLists] = None  # for a cached batch
+
+
+@dataclass(frozen=True)
+class Scaling:
+    """GradScaler's tensors (optimizer.grad_scale / found_inf), on the batch's device: the
+    step divides gradients by grad_scale and writes nothing where found_inf is nonzero."""
+    grad_scale: Optional[torch.Tensor] = None
+    found_inf: Optional[torch.Tensor] = None
+
+    def to(self, device: torch.device) -> "Scaling":
+        if self.grad_scale is None and self.found_inf is None:
+            return self
+        return Scaling(*(None if t is None else t.to(device, non_blocking=True)
+                         for t in (self.grad_scale, self.found_inf)))
+
+
+NO_SCALING = Scaling()
+
+# A repeated step prepared and ready to run: returns False when it declined, having done
+# nothing (a gradient missing or laid out unlike its parameter).
+Launch = Callable[[Scaling], bool]
+
+
+class Backend(Protocol):
+    name: str
+    flat: bool  # its kernels walk raw memory: every tensor dense and laid out like its param
+    holds_lists: bool  # keeps a batch's lists in C++ and can repeat a step from them
+    reads_host: bool  # reads step counts on the host in an eager step: not capturable
+
+    def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+        """One step over the batch."""
+
+    def prepare_repeat(self, held: HeldLists, device: torch.device, dtype: torch.dtype,
+                       hyper: Hyper, use_taken: bool) -> Optional[Launch]:
+        """A step over a held batch with its parameters' own gradients (or, with use_taken,
+        those its StepLists.take_own_grads() took), ready to launch; None, having done
+        nothing, when it cannot be repeated."""
+
+
+def capturing(device: torch.device) -> bool:
+    """Whether a CUDA graph is being captured on the device's current stream."""
+    return device.type == "cuda" and torch.cuda.is_current_stream_capturing()
+
+
+def emulating(device: torch.device) -> bool:
+    """Whether the CUDA kernels' code runs emulated on this device's (CPU) tensors."""
+    return device.type == "cpu" and os.environ.get(EMULATE_ENV) == "1"
+
+
+def split_lr(lr, device, keep_float64=False):
+    """(float lr, lr tensor or None) as the kernels take them: a tensor lr stays a tensor,
+    on the params' device or on the CPU (read there without a device synchronisation), in
+    float32; with keep_float64 (the fused ops, which read a float64 lr in full), a float64
+    one stays float64, so float64 parameters get all its digits."""
+    if not isinstance(lr, torch.Tensor):
+        return float(lr), None
+    if lr.device != device and lr.device.type != "cpu":
+        lr = lr.to(device)
+    if keep_float64 and lr.dtype == torch.float64:
+        return 0.0, lr
+    return 0.0, lr.to(torch.float32)
+
+
+def new_blocks_done(device: torch.device) -> Optional[torch.Tensor]:
+    """A batch's ticket counter for steps that increment their step counters in their own
+    launch: one int32, zero between steps. None inside a CUDA-graph capture, where its zeroing
+    would only be recorded; a batch without one keeps a second launch for its counters."""
+    if capturing(device):
+        return None
+    return torch.zeros(1, dtype=torch.int32, device=device)
+
+
+def step_lists(batch: Batch):
+    """The C++ copy (pnm_kernels._C's StepLists) of a cached batch's parameters, buffers and
+    counters, made on first use; None for a batch that is not cached, or without the
+    extension. It also holds the batch's blocks_done counter, with which each CUDA launch
+    increments the step counters itself (csrc/multi_tensor_apply.h; see new_blocks_done)."""
+    if batch.held is None or extension_error() is not None:
+        return None
+    lists = batch.held.step_lists
+    if lists is None:
+        buffers = list(batch.buffers) + [[]] * (4 - len(batch.buffers))
+        lists = batch.held.step_lists = torch.classes.pnm_kernels.StepLists(
+            batch.params, *buffers, batch.steps, new_blocks_done(batch.params[0].device))
+    return lists
+
+
+def counter_fits(step, device: torch.device) -> bool:
+    """A step counter the kernels can read and write: one element of STEP_DTYPE on the
+    parameters' device."""
+    return (isinstance(step, torch.Tensor) and step.dtype == STEP_DTYPE
+            and step.device == device and step.numel() == 1)
+
+
+def held_lists_ok(batch: Batch) -> bool:
+    """Whether a cached batch's tensors still fit each other: a parameter, a buffer or a
+    counter given new data (t.data = ...) changes under the held lists, and a kernel must
+    never write through a pointer whose tensor was not confirmed for this step."""
+    lists = step_lists(batch)
+    if lists is not None:
+        return lists.held_lists_ok()
+    # Without the extension (a Triton-only install), the same check in Python.
+    device = batch.params[0].device if batch.params else None
+    return (all(fits(b, p) for buffers in batch.buffers for p, b in zip(batch.params, buffers))
+            and all(counter_fits(s, device) for s in batch.steps))

@@ -1,0 +1,110 @@
+"""backend="foreach": torch._foreach_* ops over the batch. Eager, each parameter's parity and
+bias corrections are read on the host; under torch.compile the same maths is traced without
+host reads (see _traced_step)."""
+import math
+from typing import Optional
+
+import torch
+
+from .. import reference
+from ..hyper import Hyper, coefficients
+from .base import Batch, HeldLists, Launch, Scaling
+from .reference import skip_step
+
+
+class ForeachBackend:
+    name = "foreach"
+    flat = False
+    holds_lists = False
+    reads_host = True
+
+    def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+        if torch.compiler.is_compiling() and scaling.found_inf is None:
+            _traced_step(batch, hyper, scaling.grad_scale)
+            return
+        if skip_step(scaling.found_inf):
+            return
+        c = coefficients(hyper)
+        lr, wd = float(hyper.lr), hyper.weight_decay
+        params = batch.params
+        torch._foreach_add_(batch.steps, 1.0)
+        if params[0].device.type == "meta":  # no values to compute: only the counters advance
+            return
+        steps = [int(s) for s in torch.stack(batch.steps).tolist()]
+        grads = batch.grads
+        if scaling.grad_scale is not None:
+            grads = torch._foreach_div(grads, scaling.grad_scale)
+        if hyper.maximize:
+            grads = torch._foreach_neg(grads)
+        decay = 1 - lr * wd
+        if hyper.decoupled:
+            if decay != 1:  # times exactly 1 changes no bit: a pass over params saved
+                torch._foreach_mul_(params, decay)
+        else:
+            grads = torch._foreach_add(grads, params, alpha=wd)
+        pos, neg = batch.buffers[0], batch.buffers[1]
+        m = [pos[i] if t % 2 == 1 else neg[i] for i, t in enumerate(steps)]
+        m_other = [neg[i] if t % 2 == 1 else pos[i] for i, t in enumerate(steps)]
+        torch._foreach_mul_(m, c.b1_sq)
+        torch._foreach_add_(m, grads, alpha=c.one_minus_b1_sq)
+        pn_momentum = torch._foreach_mul(m, c.pos_coef)
+        torch._foreach_add_(pn_momentum, m_other, alpha=c.neg_coef)
+        torch._foreach_mul_(pn_momentum, c.inv_noise_norm)
+        if not hyper.adaptive:
+            torch._foreach_add_(params, pn_momentum, alpha=-lr)
+            return
+        exp_avg_sq = batch.buffers[2]
+        torch._foreach_mul_(exp_avg_sq, c.b2)
+        torch._foreach_addcmul_(exp_avg_sq, grads, grads, value=c.one_minus_b2)
+        second_moment = exp_avg_sq
+        if hyper.amsgrad:
+            torch._foreach_maximum_(batch.buffers[3], exp_avg_sq)
+            second_moment = batch.buffers[3]
+        denom = torch._foreach_sqrt(second_moment)
+        torch._foreach_div_(denom, [math.sqrt(1 - hyper.beta2**t) for t in steps])
+        torch._foreach_add_(denom, hyper.eps)
+        torch._foreach_addcdiv_(params, pn_momentum, denom,
+                                [-lr / (1 - hyper.beta1**t) for t in steps])
+
+    def prepare_repeat(self, held: HeldLists, device: torch.device, dtype: torch.dtype,
+                       hyper: Hyper, use_taken: bool) -> Optional[Launch]:
+        return None  # holds no lists
+
+
+def _traced_step(batch: Batch, hyper: Hyper, grad_scale):
+    """The foreach maths as torch.compile traces it, without a graph break: each tensor's
+    parity and bias corrections come from its step counter on the device (a torch.where
+    between the buffers), not from the host. It serves what runs neither fused nor Triton
+    under torch.compile: backend="foreach", float64 parameters without the extension, and
+    Triton batches of an install without it. Both buffers are rewritten (one with its own
+    values), which inductor fuses into the step's one pass. With found_inf (AMP) the eager
+    path runs instead, reading it on the host."""
+    c = coefficients(hyper)
+    lr = hyper.lr
+    torch._foreach_add_(batch.steps, 1.0)
+    for i, (param, grad, step) in enumerate(zip(batch.params, batch.grads, batch.steps)):
+        grad = reference._decay_and_grad(param, grad, lr, hyper.weight_decay, hyper.decoupled,
+                                         hyper.maximize, grad_scale)
+        pos, neg = batch.buffers[0][i], batch.buffers[1][i]
+        odd = torch.remainder(step, 2) == 1
+        m_other = torch.where(odd, neg, pos)
+        m = torch.where(odd, pos, neg).mul(c.b1_sq).add_(grad, alpha=c.one_minus_b1_sq)
+        pos.copy_(torch.where(odd, m, pos))
+        neg.copy_(torch.where(odd, neg, m))
+        update = m.mul(c.pos_coef).add_(m_other, alpha=c.neg_coef).mul_(c.inv_noise_norm)
+        if not hyper.adaptive:
+            param.sub_(update * lr)
+            continue
+        exp_avg_sq = batch.buffers[2][i]
+        exp_avg_sq.mul_(c.b2).addcmul_(grad, grad, value=c.one_minus_b2)
+        second_moment = exp_avg_sq
+        if hyper.amsgrad:
+            second_moment = batch.buffers[3][i]
+            torch.maximum(second_moment, exp_avg_sq, out=second_moment)
+        # In float64, as the reference's Python floats; applied in at least float32.
+        t = step.to(torch.float64)
+        scalar_dtype = torch.promote_types(param.dtype, torch.float32)
+        bias_correction2_sqrt = (1 - hyper.beta2**t).sqrt().to(scalar_dtype)
+        step_size = (lr / (1 - hyper.beta1**t)).to(scalar_dtype)
+        denom = (second_moment.sqrt() / bias_correction2_sqrt).add_(hyper.eps)
+        param.sub_(update / denom * step_size)

@@ -1,0 +1,85 @@
+"""backend="fused": the compiled extension's ops (csrc/): the fused CPU kernel, the CUDA
+kernels, or their CPU emulation (PNM_KERNELS_EMULATE_CUDA=1), each one pass over memory."""
+from typing import Optional
+
+import torch
+
+from .._ops import extension_error
+from ..hyper import Hyper
+from .base import Batch, HeldLists, Launch, Scaling, emulating, split_lr, step_lists
+
+DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
+
+
+def unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+    error = extension_error()
+    if error is not None:
+        return f"the compiled extension pnm_kernels._C could not be loaded ({error})"
+    if dtype not in DTYPES:
+        return f"the fused kernels take float32, float64, float16 and bfloat16, not {dtype}"
+    if device.type == "cpu":
+        return None
+    if device.type == "cuda":
+        if torch._C._dispatch_has_kernel_for_dispatch_key("pnm_kernels::pnm_step_", "CUDA"):
+            return None
+        return ("pnm_kernels._C was built without CUDA kernels (no nvcc at build time, or "
+                "PNM_KERNELS_NO_CUDA=1); rebuild it where nvcc is available")
+    return f"there are no fused kernels for {device.type} tensors"
+
+
+def _held_step_args(hyper: Hyper, device: torch.device, scaling: Scaling) -> tuple:
+    """The arguments of a StepLists step after its gradients, as the C++ methods take them."""
+    lr, lr_tensor = split_lr(hyper.lr, device, keep_float64=True)
+    h = hyper
+    if h.adaptive:
+        return (emulating(device), lr, h.beta1, h.beta2, h.beta0, h.eps, h.weight_decay,
+                h.amsgrad, h.decoupled, h.maximize, lr_tensor, scaling.grad_scale,
+                scaling.found_inf)
+    return (emulating(device), lr, h.beta1, h.beta0, h.weight_decay, h.decoupled, h.maximize,
+            lr_tensor, scaling.grad_scale, scaling.found_inf)
+
+
+class FusedBackend:
+    name = "fused"
+    flat = True
+    holds_lists = True
+    reads_host = False
+
+    def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+        device = batch.params[0].device
+        if batch.held is not None and not torch.compiler.is_compiling():
+            # Eager steps of a cached batch: parameters, buffers and counters were handed to
+            # C++ once, and only the gradients cross over from Python. With thousands of small
+            # tensors, converting the lists was most of a step's host time.
+            lists = step_lists(batch)
+            args = _held_step_args(hyper, device, scaling)
+            (lists.adapnm_step if hyper.adaptive else lists.pnm_step)(batch.grads, *args)
+            return
+        lr, lr_tensor = split_lr(hyper.lr, device, keep_float64=True)
+        ops = torch.ops.pnm_kernels
+        emulate = emulating(device)
+        common = dict(lr=lr, beta1=hyper.beta1, beta0=hyper.beta0,
+                      weight_decay=hyper.weight_decay, decoupled=hyper.decoupled,
+                      maximize=hyper.maximize, lr_tensor=lr_tensor,
+                      grad_scale=scaling.grad_scale, found_inf=scaling.found_inf)
+        if hyper.adaptive:
+            op = ops.emulated_cuda_adapnm_step_ if emulate else ops.adapnm_step_
+            max_exp_avg_sq = batch.buffers[3] if hyper.amsgrad else []
+            op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.buffers[2],
+               max_exp_avg_sq, batch.steps, beta2=hyper.beta2, eps=hyper.eps,
+               amsgrad=hyper.amsgrad, **common)
+        else:
+            op = ops.emulated_cuda_pnm_step_ if emulate else ops.pnm_step_
+            op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.steps,
+               **common)
+
+    def prepare_repeat(self, held: HeldLists, device: torch.device, dtype: torch.dtype,
+                       hyper: Hyper, use_taken: bool) -> Optional[Launch]:
+        # The C++ step reads the gradients and checks every list itself (before writing
+        # anything), so there is nothing to prepare: the launch declines when it cannot step.
+        lists = held.step_lists
+        step = lists.adapnm_step_own_grads if hyper.adaptive else lists.pnm_step_own_grads
+
+        def launch(scaling: Scaling) -> bool:
+            return step(use_taken, *_held_step_args(hyper, device, scaling))
+        return launch

@@ -1,0 +1,32 @@
+"""Memory layouts the flat kernels, which walk raw memory, can take (mirrors csrc's
+dense_like)."""
+import torch
+
+
+def is_dense(t: torch.Tensor) -> bool:
+    """Its elements fill one block of memory without gaps or overlap, in some dim order."""
+    expected = 1
+    for stride, size in sorted((st, s) for s, st in zip(t.shape, t.stride()) if s > 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
+def same_dense_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+    """`a` is dense and laid out like `b` (equal strides where a dimension has 2 or more)."""
+    if not is_dense(a):
+        return False
+    return all(n <= 1 or sa == sb for n, sa, sb in zip(a.shape, a.stride(), b.stride()))
+
+
+def dense_like(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """What the flat kernels need of a tensor beside its parameter: dense and laid out like
+    it."""
+    return (t.is_contiguous() and p.is_contiguous()) or same_dense_layout(t, p)
+
+
+def fits(t: torch.Tensor, p: torch.Tensor) -> bool:
+    """`t` may stand beside `p` in a flat kernel's lists: same dtype, device, shape, layout."""
+    return (t.dtype == p.dtype and t.device == p.device and t.shape == p.shape
+            and dense_like(t, p))

@@ -1,0 +1,40 @@
+"""backend="reference": pnm_kernels.reference's per-parameter steps, the ground truth."""
+from typing import Optional
+
+import torch
+
+from .. import reference
+from ..hyper import Hyper
+from .base import ADAPNM_BUFFERS, PNM_BUFFERS, Batch, HeldLists, Launch, Scaling
+
+
+def skip_step(found_inf: Optional[torch.Tensor]) -> bool:
+    # Host read: the reference and foreach backends are not capturable anyway.
+    return found_inf is not None and bool(found_inf.item())
+
+
+class ReferenceBackend:
+    name = "reference"
+    flat = False
+    holds_lists = False
+    reads_host = True
+
+    def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+        if skip_step(scaling.found_inf):
+            return
+        names = ADAPNM_BUFFERS if hyper.adaptive else PNM_BUFFERS
+        common = dict(lr=float(hyper.lr), beta1=hyper.beta1, beta0=hyper.beta0,
+                      weight_decay=hyper.weight_decay, decoupled=hyper.decoupled,
+                      maximize=hyper.maximize, grad_scale=scaling.grad_scale)
+        for i, (param, grad) in enumerate(zip(batch.params, batch.grads)):
+            state = {name: buffers[i] for name, buffers in zip(names, batch.buffers)}
+            state["step"] = batch.steps[i]
+            if hyper.adaptive:
+                reference.adapnm_step(param, grad, state, beta2=hyper.beta2, eps=hyper.eps,
+                                      amsgrad=hyper.amsgrad, **common)
+            else:
+                reference.pnm_step(param, grad, state, **common)
+
+    def prepare_repeat(self, held: HeldLists, device: torch.device, dtype: torch.dtype,
+                       hyper: Hyper, use_taken: bool) -> Optional[Launch]:
+        return None  # holds no lists

@@ -1,0 +1,112 @@
+"""The tensor lists a step hands to a backend, and the cache that keeps them between steps.
+
+The lists of parameters, buffers and counters are cached while the parameters with gradients
+and the state stay the same (StateWatch); only the gradients are new each step."""
+import operator
+from typing import Optional
+
+
+from .backends import BACKENDS
+from .backends.base import Batch, HeldLists, held_lists_ok
+from .backends.layout import dense_like
+from .params import describe, holdable, kernel_batch, local, shard_holdable, shard_of
+from .state import BufferShapeError, ParamState, StateWatch, ensure_state
+
+_MAX_ENTRIES = 64
+
+
+class BatchCache:
+    """The cached lists of each (group, backend, buffers, parameters) batch, valid while the
+    state's version is the one they were built at."""
+
+    def __init__(self) -> None:
+        self.watch = StateWatch()
+        self._entries: dict = {}
+
+    def version(self, optimizer):
+        return self.watch.version(optimizer)
+
+    def drop(self) -> None:
+        """Forgets every cached list, letting go of the tensors they hold."""
+        self.watch.drop()
+        self._entries.clear()
+
+    def lookup(self, optimizer, group, backend, names, ids) -> Optional[Batch]:
+        """The cached lists of a batch (gradients left out), if still valid."""
+        hit = self._entries.get((id(group), backend, names, ids))
+        return hit[1] if hit is not None and hit[0] == self.version(optimizer) else None
+
+    def batch(self, optimizer, item, names) -> tuple[Batch, list]:
+        """The kernel-ready lists for a plan item, and the (param, dense copy) pairs to write
+        back after the step."""
+        group, backend, params = item.group, item.backend, item.params
+        cached = self.lookup(optimizer, group, backend, names, item.ids)
+        grads = item.grads
+        if cached is not None and cached.held.shards:  # its params are all DTensors
+            if all(map(operator.is_, map(shard_of, params), cached.params)):
+                grads = list(map(shard_of if item.layout_ok else local, grads))
+            else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)
+                cached = None
+        if cached is not None and item.origin is None and not held_lists_ok(cached):
+            # A parameter, buffer or counter was given new data (t.data = ...) of another
+            # dtype, shape or layout: rebuild, its state following it. (On the deferred path
+            # the kernel's own checks find this before touching anything.)
+            self.drop()
+            cached = None
+        if cached is not None:
+            layout_ok = item.layout_ok
+            if layout_ok is None:
+                layout_ok = all(map(dense_like, grads, cached.params))
+            if layout_ok:
+                return Batch(cached.params, grads, cached.buffers, cached.steps, cached.held), []
+        batch, writebacks, counted = self.build(optimizer, group, params, names,
+                                                BACKENDS[backend].flat)
+        shards = not all(map(holdable, params))
+        simple = counted and not writebacks and (not shards or all(map(shard_holdable, params)))
+        if simple and BACKENDS[backend].holds_lists:
+            version = self.version(optimizer)
+            for key in [k for k, (v, _) in self._entries.items() if v != version]:
+                del self._entries[key]  # stale: holds tensors the state may have replaced
+            if len(self._entries) > _MAX_ENTRIES:
+                self._entries.clear()
+            batch.held = HeldLists(shards=shards)
+            # Cached without this step's gradients: holding them would keep a whole set of
+            # gradients alive after zero_grad() (a model's worth of GPU memory).
+            held = Batch(batch.params, [], batch.buffers, batch.steps, batch.held)
+            self._entries[(id(group), backend, names, item.ids)] = (version, held)
+        return batch, writebacks
+
+    def build(self, optimizer, group, params, names, flat):
+        """The batch, its write-backs, and whether every state it read counts its changes
+        (only then may its lists be reused: see state.py)."""
+        states = [self.state_for(optimizer, p, names, group) for p in params]
+        batch, writebacks = kernel_batch(params, [p.grad for p in params],
+                                         [[state[name] for state in states] for name in names],
+                                         [state["step"] for state in states], flat)
+        return batch, writebacks, all(type(state) is ParamState for state in states)
+
+    def state_for(self, optimizer, p, names, group) -> dict:
+        """p's state with these buffers: made where missing, converted where p (or a buffer,
+        or its counter) was given new data since. Another shape is an error."""
+        try:
+            state, replaced = ensure_state(optimizer.state, p, names)
+        except BufferShapeError as e:
+            name, buffer = e.args
+            gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+            pi = next(i for i, q in enumerate(group["params"]) if q is p)
+            raise RuntimeError(
+                f"{describe(p, gi, pi)}: its state {name!r} has shape {tuple(buffer.shape)}; "
+                "the parameter was given data of another shape after its state was made. "
+                "Restart its state with `del optimizer.state[param]`, or load a matching "
+                "state_dict") from None
+        if replaced:
+            self.drop()
+        return state
+
+
+def writeback(writebacks) -> None:
+    for param, dense in writebacks:
+        param.copy_(dense)
+
+
+__all__ = ["BatchCache", "writeback"]

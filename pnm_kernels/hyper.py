@@ -1,0 +1,164 @@
+"""A param group's hyper-parameters: validated once, frozen, and the coefficients every
+Python and Triton step derives from them, computed in one place (docs/design.md §1)."""
+import math
+import numbers
+from dataclasses import dataclass, replace
+from typing import Union
+
+import torch
+
+from .reference import noise_norm
+
+BACKEND_NAMES = ("auto", "fused", "triton", "foreach", "reference")
+# The group keys that decide a step (a group's other keys are the user's own, carried along).
+PNM_KEYS = ("lr", "betas", "weight_decay", "decoupled", "maximize", "backend")
+ADAPNM_KEYS = PNM_KEYS + ("eps", "amsgrad")
+
+
+def _is_real_number(x) -> bool:
+    # float and int first: an isinstance check against the numbers.Real ABC costs ~0.2 µs,
+    # and a scheduler's new lr has a group validated again at each step.
+    return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
+
+
+def _check_real(where, name, value, *, low, high=math.inf, high_open=False):
+    if not _is_real_number(value) or not math.isfinite(value):
+        raise ValueError(f"{where}: invalid {name} {value!r}; need a finite real number")
+    if value < low or value > high or (high_open and value == high):
+        upper = f"< {high}" if high_open else ("" if high == math.inf else f"<= {high}")
+        raise ValueError(f"{where}: invalid {name} {value!r}; need {low} <= {name} {upper}".rstrip())
+
+
+def validate_lr(lr, where: str) -> None:
+    if isinstance(lr, torch.Tensor):
+        if lr.numel() != 1 or not lr.is_floating_point():
+            raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
+                             f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
+        if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
+            _check_real(where, "lr", float(lr.detach()), low=0.0)
+    else:
+        _check_real(where, "lr", lr, low=0.0)
+
+
+def validate_group(group: dict, adaptive: bool, where: str) -> None:
+    """Checks every hyper-parameter of a group (docs/design.md §1 "Valid hyper-parameters")."""
+    validate_lr(group["lr"], where)
+    betas = group["betas"]
+    names = ("beta1", "beta2", "beta0") if adaptive else ("beta1", "beta0")
+    if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
+        raise ValueError(f"{where}: betas must be a tuple ({', '.join(names)}), got {betas!r}")
+    for i, (name, value) in enumerate(zip(names, betas)):
+        label = f"{name} (betas[{i}])"
+        if name == "beta0":
+            _check_real(where, label, value, low=-math.inf)
+        else:
+            _check_real(where, label, value, low=0.0, high=1.0, high_open=True)
+    _check_real(where, "weight_decay", group["weight_decay"], low=0.0)
+    flags = ("decoupled", "maximize") + (("amsgrad",) if adaptive else ())
+    if adaptive:
+        _check_real(where, "eps", group["eps"], low=0.0)
+    for flag in flags:
+        if not isinstance(group[flag], bool):
+            raise ValueError(f"{where}: {flag} must be a bool, got {group[flag]!r}")
+    if group["backend"] not in BACKEND_NAMES:
+        raise ValueError(f"{where}: backend must be one of {BACKEND_NAMES}, "
+                         f"got {group['backend']!r}")
+
+
+def _value_signature(v):
+    # A tensor by identity and version; a list (betas given as one) by its values: the list
+    # itself would equal itself after an edit in place, which then went unvalidated.
+    if isinstance(v, torch.Tensor):
+        return id(v), v._version
+    return tuple(v) if type(v) is list else v
+
+
+def signature(group: dict, keys: tuple) -> tuple:
+    """The group's hyper-parameters as they are now, lr first. Only the keys that decide a
+    step: a user's own keys may hold anything (tensors too), as torch's optimizers allow."""
+    return tuple(_value_signature(group[k]) for k in keys)
+
+
+Lr = Union[float, torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Hyper:
+    """A validated group's hyper-parameters as every backend takes them: Python floats (a
+    numpy scalar reached the Triton kernels as a type they refuse, and the reference computed
+    in its precision); a tensor lr stays a tensor (detached: its value only)."""
+    lr: Lr
+    beta1: float
+    beta0: float
+    weight_decay: float
+    decoupled: bool
+    maximize: bool
+    adaptive: bool = False
+    beta2: float = 0.0
+    eps: float = 0.0
+    amsgrad: bool = False
+
+    @staticmethod
+    def from_group(group: dict, adaptive: bool) -> "Hyper":
+        """From a group validate_group accepted."""
+        betas = group["betas"]
+        extra = {}
+        if adaptive:
+            extra = dict(beta2=float(betas[1]), eps=float(group["eps"]),
+                         amsgrad=group["amsgrad"])
+        return Hyper(lr=plain_lr(group["lr"]), beta1=float(betas[0]), beta0=float(betas[-1]),
+                     weight_decay=float(group["weight_decay"]), decoupled=group["decoupled"],
+                     maximize=group["maximize"], adaptive=adaptive, **extra)
+
+    def with_lr(self, lr: Lr) -> "Hyper":
+        return replace(self, lr=plain_lr(lr))
+
+    @property
+    def num_buffers(self) -> int:
+        """How many state buffers a step reads (kernel table order, see state.py)."""
+        if not self.adaptive:
+            return 2
+        return 4 if self.amsgrad else 3
+
+
+def plain_lr(lr) -> Lr:
+    if isinstance(lr, torch.Tensor):
+        return lr.detach() if lr.requires_grad else lr  # float() of it then quiet
+    return float(lr)
+
+
+@dataclass(frozen=True)
+class Coefficients:
+    """What the foreach and Triton steps compute from the hyper-parameters (the C++ kernels
+    do the same in csrc/pnm_math.h's make_coeffs). Per-step factors (bias corrections) depend
+    on each parameter's step count and are computed where it is read."""
+    b1_sq: float             # beta1^2: PNM's momentum decays over two steps
+    one_minus_b1_sq: float
+    pos_coef: float          # 1 + beta0, on the buffer this step updates
+    neg_coef: float          # -beta0, on the other one
+    inv_noise_norm: float    # 1 / sqrt((1+b0)^2 + b0^2)
+    b2: float
+    one_minus_b2: float
+    log_b1: float            # for bias corrections computed in the kernel: b^t = exp(t log b)
+    log_b2: float
+    grad_sign: float         # -1 to maximize
+
+
+def coefficients(h: Hyper) -> Coefficients:
+    log = lambda b: math.log(b) if b > 0 else -math.inf  # noqa: E731
+    return Coefficients(
+        b1_sq=h.beta1**2, one_minus_b1_sq=1 - h.beta1**2, pos_coef=1 + h.beta0,
+        neg_coef=-h.beta0, inv_noise_norm=1 / noise_norm(h.beta0), b2=h.beta2,
+        one_minus_b2=1 - h.beta2, log_b1=log(h.beta1), log_b2=log(h.beta2),
+        grad_sign=-1.0 if h.maximize else 1.0)
+
+
+def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
+    """The dtype an lr tensor enters a kernel in: float64 for float64 parameters (the fused
+    ops read it in full), else float32."""
+    return torch.float64 if param_dtype in (torch.float64, torch.complex128) else torch.float32
+
+
+__all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
+           "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
+           "lr_dtype_for"]

@@ -1,0 +1,138 @@
+"""A parameter as the kernels take it: checks that name it, its local shard (DTensor), real
+views of complex tensors, and dense copies for the flat kernels; and the Batch they make."""
+import itertools
+import operator
+import sys
+
+import torch
+
+from .backends.base import Batch
+from .backends.layout import dense_like, is_dense
+from .state import is_plain
+
+
+def describe(param, gi, pi) -> str:
+    return (f"param_groups[{gi}]['params'][{pi}] (shape {tuple(param.shape)}, {param.dtype}, "
+            f"{param.device})")
+
+
+def check_param(param, gi, pi) -> None:
+    """Raises, naming the parameter, if it or its gradient cannot step."""
+    grad = param.grad
+    if grad.is_sparse or grad.layout != torch.strided:
+        raise RuntimeError(f"{describe(param, gi, pi)} has a sparse gradient; PNM and AdaPNM "
+                           "do not support sparse gradients")
+    if grad.shape != param.shape or grad.dtype != param.dtype or grad.device != param.device:
+        raise RuntimeError(f"{describe(param, gi, pi)} has a gradient of shape "
+                           f"{tuple(grad.shape)}, {grad.dtype}, {grad.device}, which does not "
+                           "match the parameter")
+    if param.is_sparse or param.layout != torch.strided:
+        raise RuntimeError(f"{describe(param, gi, pi)} is sparse; not supported")
+
+
+def check_unique(param_groups) -> None:
+    """Each parameter steps once: a parameter put into a group's list a second time by hand
+    (add_param_group refuses it) is refused at the step, before anything is touched."""
+    first: dict[int, tuple[int, int]] = {}
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            where = first.setdefault(id(p), (gi, pi))
+            if where != (gi, pi):
+                raise ValueError(
+                    f"{describe(p, gi, pi)} is the same tensor as "
+                    f"param_groups[{where[0]}]['params'][{where[1]}]; a parameter may appear "
+                    "only once among the param groups")
+
+
+def holdable(p) -> bool:
+    """A parameter the kernels take as it is (plain, real, dense: contiguous, channels_last,
+    transposed): its lists can be held between steps."""
+    return is_plain(p) and not p.is_complex() and (p.is_contiguous() or is_dense(p))
+
+
+def local(t: torch.Tensor) -> torch.Tensor:
+    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place.
+    DTensor is looked up, not imported: importing torch.distributed.tensor costs ~0.3 s,
+    and a program with DTensors has imported it."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is not None and isinstance(t, dtensor.DTensor):
+        return t._local_tensor
+    return t
+
+
+def shard_holdable(p) -> bool:
+    """A DTensor (FSDP2) whose local shard is holdable: a cached batch may hold the shard,
+    checked again at every step; the repeated step, whose C++ lists read the gradients
+    themselves, never holds it (a DTensor's gradient is not its shard's)."""
+    shard = local(p)
+    return shard is not p and holdable(shard)
+
+
+shard_of = operator.attrgetter("_local_tensor")  # a DTensor's (see local)
+_shape_of = operator.attrgetter("shape")
+
+
+def shards_match(params, grads, check) -> bool:
+    """For DTensor parameters and gradients (FSDP2), without a Python loop over them: the
+    same global shapes, and local shards that the C++ `check` finds alike (dtype, device,
+    shape, dense layout). False where any of that is not so, or not all are DTensors: the
+    per-parameter checks then say what is wrong."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    if dtensor is None:
+        return False
+    is_a = itertools.repeat(dtensor.DTensor)
+    return (all(map(isinstance, params, is_a)) and all(map(isinstance, grads, is_a))
+            and all(map(operator.eq, map(_shape_of, params), map(_shape_of, grads)))
+            and check(list(map(shard_of, params)), list(map(shard_of, grads)), True) < 0)
+
+
+def kernel_views(p, grad, bufs):
+    """A parameter, its gradient and state buffers as the kernels see them: a DTensor's
+    local shard, complex as real views."""
+    param, grad, bufs = local(p), local(grad), [local(b) for b in bufs]
+    if p.is_complex():
+        param, grad = torch.view_as_real(param), torch.view_as_real(grad)
+        bufs = [torch.view_as_real(b) for b in bufs]
+    return param, grad, bufs
+
+
+def dense_copies(param, grad, buffer, flat):
+    """Whether a flat backend (its kernels walk raw memory) needs the parameter and the
+    gradient (as kernel_views gives them) copied into the buffers' dense layout."""
+    if not flat:
+        return False, False
+    return not dense_like(param, buffer), not dense_like(grad, buffer)
+
+
+def _kernel_tensors(p, grad, bufs, flat, copies=None):
+    """What the kernels take for one parameter (under torch.compile `copies` was decided
+    untraced). Returns (param, grad, buffers, the (param, dense copy) pair to write back
+    after the step, or None)."""
+    param, grad, bufs = kernel_views(p, grad, bufs)
+    copy_param, copy_grad = copies or dense_copies(param, grad, bufs[0], flat)
+    writeback = None
+    if copy_param:
+        dense = torch.empty_like(bufs[0]).copy_(param)
+        writeback = (param, dense)
+        param = dense
+    if copy_grad:
+        grad = torch.empty_like(bufs[0]).copy_(grad)
+    return param, grad, bufs, writeback
+
+
+def kernel_batch(params, grads, buffers, steps, flat, copies=None):
+    """The kernels' Batch for these parameters (`buffers`: a list per state buffer, `copies`:
+    see _kernel_tensors), and the (param, dense copy) pairs to write back after the step."""
+    batch = Batch(buffers=[[] for _ in buffers])
+    writebacks = []
+    for i, p in enumerate(params):
+        param, grad, bufs, writeback = _kernel_tensors(
+            p, grads[i], [b[i] for b in buffers], flat, copies[i] if copies else None)
+        if writeback is not None:
+            writebacks.append(writeback)
+        batch.params.append(param)
+        batch.grads.append(grad)
+        for lst, buf in zip(batch.buffers, bufs):
+            lst.append(buf)
+        batch.steps.append(steps[i])
+    return batch, writebacks

@@ -1,0 +1,229 @@
+"""Planning a step: every group validated and its parameters with gradients split into
+batches (one per device and dtype, each with its backend), checking everything and touching
+nothing. Running a plan hands each batch to its backend."""
+import itertools
+import operator
+from dataclasses import dataclass
+from typing import Optional
+
+import torch
+
+from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
+from .backends.base import Scaling, held_lists_ok
+from .batching import BatchCache, writeback
+from .hyper import Hyper, signature, validate_group, validate_lr
+from .params import check_param, check_unique, describe, shards_match
+from .state import is_plain
+
+_MAX_GROUPINGS = 64
+
+
+@dataclass
+class Grouping:
+    """A param group's parameters with gradients, split by device and dtype."""
+    batches: list  # [(backend, parameter indices, plain tensors?, (device, dtype))]
+    defer_check: bool = True  # False once the kernel refused a gradient's layout
+
+
+@dataclass
+class PlanItem:
+    """One batch of a step: same device, dtype and backend."""
+    group: dict
+    backend: str
+    params: list
+    grads: list
+    ids: tuple  # identifies the batch's parameters (the batch cache's key)
+    layout_ok: Optional[bool]  # every gradient dense and laid out like its parameter?
+    origin: Optional[tuple] = None  # (gi, grouping, the group's grads) when the kernel checks
+
+
+def _pick(params, grads, indices):
+    """The parameters and gradients at these indices (the lists themselves when all)."""
+    if len(indices) == len(params):
+        return params, grads
+    return [params[i] for i in indices], [grads[i] for i in indices]
+
+
+class Planner:
+    """Plans steps for one optimizer; keeps each group's grouping while the same parameters
+    have gradients, and each group's Hyper while its hyper-parameters stay the same."""
+
+    def __init__(self, adaptive: bool, keys: tuple) -> None:
+        self.adaptive = adaptive
+        self.keys = keys  # the group keys that decide a step (hyper.PNM_KEYS / ADAPNM_KEYS)
+        self._groupings: dict = {}
+        self._hypers: dict = {}  # id(group) -> (signature, Hyper)
+
+    def buffer_names(self, names: tuple, group: dict) -> tuple:
+        if self.adaptive and not group["amsgrad"]:
+            return names[:3]
+        return names
+
+    def hyper(self, group: dict, gi: int) -> Hyper:
+        """The group's Hyper, validated and built again only when a hyper-parameter changed
+        (a scheduler, a user's edit)."""
+        now = signature(group, self.keys)
+        known = self._hypers.get(id(group))
+        if known is not None and known[0] == now:
+            return known[1]
+        if known is not None and type(group["lr"]) is float and now[1:] == known[0][1:]:
+            # Only a float lr changed (a scheduler's, every step): only it is checked.
+            validate_lr(group["lr"], f"param_groups[{gi}]")
+            hyper = known[1].with_lr(group["lr"])
+        else:
+            validate_group(group, self.adaptive, f"param_groups[{gi}]")
+            hyper = Hyper.from_group(group, self.adaptive)
+        self._hypers[id(group)] = (now, hyper)
+        return hyper
+
+    def plan(self, optimizer, cache: BatchCache, names: tuple, defer=True) -> list[PlanItem]:
+        """Checks everything and decides the backend of every batch, touching nothing.
+
+        The gradients are still checked every step (in C++ where the extension is built).
+        One check is deferred: when the whole step is one cached batch for the fused
+        kernels, their own argument checks, which run before anything is touched, stand in
+        for it, and the step looks closer if they refuse (see refusal_explained)."""
+        found = []  # (gi, group, key, grouping, from the cache?, grads, indices)
+        regrouped = False
+        for gi, group in enumerate(optimizer.param_groups):
+            self.hyper(group, gi)
+            params = group["params"]
+            grads = [p.grad for p in params]
+            if all(map(operator.is_not, grads, itertools.repeat(None))):  # the common case
+                indices = range(len(params))
+                ids = tuple(map(id, params))
+            else:
+                indices = [i for i, g in enumerate(grads) if g is not None]
+                ids = tuple(id(params[i]) for i in indices)
+            if not indices:
+                continue
+            key = (id(group), group["backend"], ids)
+            grouping = self._groupings.get(key)
+            regrouped |= grouping is None
+            found.append((gi, group, key, grouping, grouping is not None, grads, indices))
+        if regrouped:
+            check_unique(optimizer.param_groups)
+        batch_count = sum(len(f[3].batches) if f[3] else 1 for f in found)
+        plan = []
+        for gi, group, key, grouping, cached, grads, indices in found:
+            params = group["params"]
+            layouts = None
+            if cached:
+                backend, idx, plain, _ = grouping.batches[0]
+                deferred = (defer and batch_count == 1 and grouping.defer_check and plain
+                            and backend == "fused")
+                if deferred and cache.lookup(optimizer, group, backend,
+                                             self.buffer_names(names, group), key[2]):
+                    plan.append(PlanItem(group, backend, *_pick(params, grads, idx), key[2],
+                                         layout_ok=True, origin=(gi, grouping, grads)))
+                    continue
+                layouts = check_grads(grouping.batches, params, grads, gi)
+                if layouts is None:  # a parameter moved to another device or dtype
+                    cached = False
+                    cache.drop()
+            if not cached:
+                grouping = Grouping(group_batches(group, gi, indices))
+                if len(self._groupings) > _MAX_GROUPINGS:
+                    self._groupings.clear()
+                self._groupings[key] = grouping
+            for b, (backend, idx, _, _) in enumerate(grouping.batches):
+                batch_params, batch_grads = _pick(params, grads, idx)
+                ids = key[2] if len(grouping.batches) == 1 else tuple(map(id, batch_params))
+                plan.append(PlanItem(group, backend, batch_params, batch_grads, ids,
+                                     layout_ok=layouts[b] if layouts else None))
+        return plan
+
+
+def group_batches(group, gi, indices):
+    """[(backend, parameter indices, plain tensors?, (device, dtype))] per (device, dtype);
+    raises on the first bad parameter or gradient, naming it."""
+    batches = {}
+    for pi in indices:
+        p = group["params"][pi]
+        check_param(p, gi, pi)  # raises, naming the parameter
+        key = (p.device, p.dtype)
+        if key not in batches:
+            real = p.real.dtype if p.is_complex() else p.dtype
+            try:
+                backend = resolve_backend(group["backend"], p.device, real)
+            except (RuntimeError, ValueError) as e:
+                raise type(e)(f"{describe(p, gi, pi)}: {e}") from None
+            batches[key] = (backend, [], [True])
+        batches[key][1].append(pi)
+        if not is_plain(p) or type(p.grad) is not torch.Tensor:
+            batches[key][2][0] = False  # subclasses: DTensors are checked by shards_match
+    return [(backend, idx, plain[0], (device, dtype))
+            for (device, dtype), (backend, idx, plain) in batches.items()]
+
+
+_native_check = native_grad_check()
+
+
+def check_grads(batches, params, grads, gi):
+    """Checks the gradients of a cached grouping, raising on one that does not match its
+    parameter. Returns None when a parameter itself moved to another device or dtype
+    (regroup), else per batch whether every gradient is dense and laid out like its
+    parameter: True, False, or None where unknown."""
+    check = _native_check
+    layouts = []
+    for _, idx, plain, (device, dtype) in batches:
+        first = params[idx[0]]
+        if first.device != device or first.dtype != dtype:  # model.to(...): all moved
+            return None
+        if check is not None and plain:
+            bad = check([params[i] for i in idx], [grads[i] for i in idx], True)
+            if bad < 0:
+                layouts.append(True)
+                continue
+            rest, layout = idx[bad:], False  # the Python checks below say why
+        elif check is not None and shards_match([params[i] for i in idx],
+                                                [grads[i] for i in idx], check):
+            layouts.append(True)
+            continue
+        else:
+            rest, layout = idx, None
+        for pi in rest:
+            p = params[pi]
+            check_param(p, gi, pi)  # raises when the gradient is at fault
+            if (p.device, p.dtype) != (first.device, first.dtype):
+                return None
+        layouts.append(layout)
+    return layouts
+
+
+def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Scaling):
+    """Runs every item of the plan; returns the batches it ran. Every batch is built (and
+    checked) before any runs: a step that raises has not touched a parameter."""
+    for item in plan:
+        check_capturable(item.backend, item.params[0].device)
+    built = [cache.batch(optimizer, item, planner.buffer_names(names, item.group))
+             for item in plan]
+    on_device = {}
+    for item, (batch, writebacks) in zip(plan, built):
+        device = batch.params[0].device
+        if device not in on_device:
+            on_device[device] = scaling.to(device)
+        gi = next(i for i, g in enumerate(optimizer.param_groups) if g is item.group)
+        BACKENDS[item.backend].step(batch, planner.hyper(item.group, gi), on_device[device])
+        writeback(writebacks)
+    return [batch for batch, _ in built]
+
+
+def refusal_explained(optimizer, item, planner: Planner, cache: BatchCache, names) -> bool:
+    """The fused kernel refused a batch whose gradient check was left to it. It checks all
+    its arguments before touching anything, so the step can be redone carefully when the
+    cause is known: a gradient that does not match its parameter raises here, naming it; a
+    parameter that moved, a tensor given new data, or a gradient laid out unlike its
+    parameter (copied on the careful path) returns True."""
+    gi, grouping, grads = item.origin
+    layouts = check_grads(grouping.batches, item.group["params"], grads, gi)
+    if layouts is None:  # the careful path regroups
+        return True
+    cached = cache.lookup(optimizer, item.group, item.backend,
+                          planner.buffer_names(names, item.group), item.ids)
+    if cached is not None and not held_lists_ok(cached):
+        return True  # the careful path rebuilds (BatchCache.batch)
+    if layouts[0] is False:
+        grouping.defer_check = False  # check in C++ first from now on
+        return True
+    return False

@@ -1,0 +1,219 @@
+"""optimizer.state as the fast paths need it: every change made from outside counted.
+
+Steps reuse the tensor lists they built from the state (the batch cache, the repeated step:
+docs/design.md §5), so a change made from outside — a moment reset by hand, a new step
+counter, a whole state put back — must be seen, and the next step reads the state again, as
+torch's optimizers, which read it every step, would. The optimizers' own writes (put) are
+not counted: the lists built before stay valid."""
+import sys
+from collections import defaultdict
+from typing import Optional
+
+import torch
+
+from .backends.base import STEP_DTYPE
+from .backends.layout import is_dense, same_dense_layout
+
+# How often anyone but the optimizers changed which tensors a state holds. One counter for
+# the process: a state entry may be shared between optimizers (opt2.state = opt1.state), and
+# an increment is all a change costs.
+_changes = 0
+
+
+def changes() -> int:
+    return _changes
+
+
+def _counted(change):
+    def counted(self, *args, **kwargs):
+        global _changes
+        _changes += 1
+        return change(self, *args, **kwargs)
+    counted.__name__ = change.__name__
+    return counted
+
+
+class _CountsChanges:
+    """Every way of putting in, replacing or taking out an entry, counted."""
+    __slots__ = ()
+    __setitem__ = _counted(dict.__setitem__)
+    __delitem__ = _counted(dict.__delitem__)
+    __ior__ = _counted(dict.__ior__)
+    clear = _counted(dict.clear)
+    pop = _counted(dict.pop)
+    popitem = _counted(dict.popitem)
+    setdefault = _counted(dict.setdefault)
+    update = _counted(dict.update)
+
+
+class ParamState(_CountsChanges, dict):
+    """One parameter's state, its changes from outside counted."""
+    __slots__ = ()
+
+
+class OptimizerState(_CountsChanges, defaultdict):
+    """optimizer.state: a defaultdict of ParamState, entries replaced or deleted counted."""
+    __slots__ = ()
+
+    def __missing__(self, param):  # optimizer.state[p] before p has state, as in torch
+        # Not counted: an empty entry is no state (a step treats p as without state, and
+        # what is put into the entry is counted), so reading it costs no planned step.
+        entry = ParamState()
+        put(self, param, entry)
+        return entry
+
+
+def put(state: dict, key, value) -> None:
+    """The optimizer's own write into its state: not counted as a change."""
+    dict.__setitem__(state, key, value)
+
+
+def _register_as_dicts() -> None:
+    """Pytree walks over optimizer.state go through our dict subclasses as through dicts.
+    torch.compile marks torch's optimizers' state tensors static that way (mode=
+    "reduce-overhead" then keeps the step's CUDA graph and updates them in place); as
+    leaves, one parameter's state became graph inputs copied in, and the graph was skipped
+    for "mutated inputs"."""
+    from torch.utils import _pytree as pytree
+
+    def flatten(d):
+        return list(d.values()), list(d.keys())
+
+    def flatten_with_keys(d):
+        return [(pytree.MappingKey(k), v) for k, v in d.items()], list(d.keys())
+
+    pytree.register_pytree_node(
+        ParamState, flatten, lambda values, keys: ParamState(zip(keys, values)),
+        flatten_with_keys_fn=flatten_with_keys)
+    pytree.register_pytree_node(
+        OptimizerState, flatten, lambda values, keys: OptimizerState(None, zip(keys, values)),
+        flatten_with_keys_fn=flatten_with_keys)
+
+
+_register_as_dicts()
+
+
+def _references(holder: dict, key) -> int:
+    return sys.getrefcount(dict.get(holder, key))
+
+
+# What _references counts for an object only its holder holds (calibrated, not assumed:
+# the count of a call's own references differs between Python versions).
+_HELD_ONLY_THERE = _references({0: {}}, 0)
+
+
+def held_only_by(holder: dict, key) -> bool:
+    return _references(holder, key) == _HELD_ONLY_THERE
+
+
+def counted_entry(state: dict, p):
+    """p's entry in an optimizer state, made a ParamState if it is a plain dict no one else
+    holds (load_state_dict's, or optimizer.state[p] = {} by hand), so that its parameter's
+    lists may be reused. A plain dict the user still holds stays as it is: their edits
+    through it are then seen, its group being read afresh at every step."""
+    if type(state.get(p)) is dict and held_only_by(state, p):
+        put(state, p, ParamState(state[p]))
+    return state.get(p)
+
+
+def tracked(state) -> OptimizerState:
+    """optimizer.state made counted (load_state_dict's, or one set by hand: optimizer.state
+    = defaultdict(dict) to restart); its entries are made counted as they are read (see
+    counted_entry). Built by dict's own update, which counts nothing."""
+    return OptimizerState(None, state)
+
+
+def plain_state_entries(optimizer, state_dict) -> None:
+    """state_dict post-hook: plain dicts, which torch.load(weights_only=True) accepts."""
+    state_dict["state"] = {key: dict(entry) if isinstance(entry, ParamState) else entry
+                           for key, entry in state_dict["state"].items()}
+
+
+def as_step(step, p) -> torch.Tensor:
+    """A step counter as the backends take it: a STEP_DTYPE tensor on its parameter's device
+    (a Python int in the authors' checkpoints; one set by hand may be anything numeric)."""
+    if torch.is_tensor(step):
+        return step.to(device=p.device, dtype=STEP_DTYPE)  # itself where it is one already
+    return torch.as_tensor(float(step), dtype=STEP_DTYPE).to(p.device)
+
+
+def is_plain(t) -> bool:
+    """A plain tensor or Parameter, not a subclass such as DTensor."""
+    return type(t) in (torch.Tensor, torch.nn.Parameter)
+
+
+def buffer_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
+    """Whether a state buffer still matches its parameter: dtype, device, shape and the
+    layout zeros_like gives it (which the kernels that walk raw memory rely on)."""
+    if buffer.dtype != p.dtype or buffer.device != p.device or buffer.shape != p.shape:
+        return False
+    if not is_plain(p):
+        return True
+    if p.is_contiguous():
+        return buffer.is_contiguous()
+    if is_dense(p):
+        return same_dense_layout(buffer, p)
+    # A parameter with gaps is copied into its buffers' layout for the step: the one
+    # zeros_like gives it.
+    return buffer.stride() == torch.empty_like(p, device="meta").stride()
+
+
+class BufferShapeError(RuntimeError):
+    pass
+
+
+def ensure_state(state: dict, p, names) -> tuple[dict, bool]:
+    """p's state with these buffers and a step counter: made where missing, converted where
+    p was given new data since (as load_state_dict converts state to its parameter). Returns
+    the entry and whether an existing tensor was replaced (lists built before are stale).
+    Raises BufferShapeError(name, buffer) for a buffer of another shape."""
+    entry = counted_entry(state, p)
+    if entry is None:
+        entry = ParamState()
+        put(state, p, entry)
+    replaced = False
+    step = entry.get("step")
+    if step is None:
+        put(entry, "step", torch.zeros((), dtype=STEP_DTYPE, device=p.device))
+    else:
+        counter = as_step(step, p)
+        if counter is not step:
+            put(entry, "step", counter)
+            replaced = True
+    for name in names:
+        buffer = entry.get(name)
+        if buffer is None:  # e.g. amsgrad switched on mid-run
+            put(entry, name, torch.zeros_like(p, memory_format=torch.preserve_format))
+        elif not buffer_fits(buffer, p):
+            if buffer.shape != p.shape:
+                raise BufferShapeError(name, buffer)
+            put(entry, name, torch.empty_like(p).copy_(buffer))
+            replaced = True
+    return entry, replaced
+
+
+class StateWatch:
+    """Tells whether the lists built from an optimizer's state may still be reused: its
+    version changes when the state object itself is replaced (by any other object, one used
+    before included) and when any state is changed from outside (counted)."""
+
+    def __init__(self) -> None:
+        self._watched: Optional[dict] = None  # the state object the lists were built from
+        self._epoch = 0
+
+    def drop(self) -> None:
+        """Forget every list built so far."""
+        self._epoch += 1
+
+    def version(self, optimizer) -> object:
+        if type(optimizer.state) is not OptimizerState:  # optimizer.state = ... by hand
+            # (No local name for it before this check: that would be a reference too.)
+            if not held_only_by(optimizer.__dict__, "state"):
+                # The user still holds it, and may change it unseen: no list is reused.
+                return object()
+            optimizer.state = tracked(optimizer.state)
+        state = optimizer.state
+        if state is not self._watched:
+            self._watched = state
+            self._epoch += 1
+        return self._epoch, _changes

@@ -1,0 +1,80 @@
+"""The step as torch.compile traces it.
+
+Each group's tensors come from the optimizer's _init_group, which dynamo runs untraced, as it
+runs torch's optimizers' own; it then knows each tensor by its place in param_groups or state
+and guards on them as for torch's optimizers. (Traced, the eager planning reached them through
+the state dict's keys: a gradient was guarded by identity, and every step with new gradients
+recompiled.)"""
+import torch
+
+from .backends import BACKENDS, traceable
+from .backends.base import Scaling
+from .batching import writeback
+from .hyper import Hyper, lr_dtype_for, validate_group
+from .params import check_unique, dense_copies, kernel_batch, kernel_views
+from .plan import group_batches
+
+
+def step(optimizer, scaling: Scaling) -> None:
+    for group in optimizer.param_groups:
+        params, grads, buffer0, buffer1, buffer2, buffer3, steps = [], [], [], [], [], [], []
+        batches = optimizer._init_group(group, params, grads, buffer0, buffer1, buffer2,
+                                        buffer3, steps)
+        hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
+        buffers = [buffer0, buffer1, buffer2, buffer3][:hyper.num_buffers]
+        start = 0
+        for backend, count, copies in batches:
+            end = start + count
+            device = params[start].device
+            batch_hyper = hyper
+            if BACKENDS[backend].flat and not isinstance(hyper.lr, torch.Tensor):
+                # A float lr is a graph input, as for torch's optimizers, but an op's float
+                # argument would be specialised on, recompiling for every new lr: it enters
+                # the kernels as a tensor on their device. (A product: torch.full's fill
+                # value would be specialised on too.)
+                lr = torch.ones((), dtype=lr_dtype_for(params[start].dtype),
+                                device=device) * hyper.lr
+                batch_hyper = Hyper(lr, hyper.beta1, hyper.beta0, hyper.weight_decay,
+                                    hyper.decoupled, hyper.maximize, hyper.adaptive,
+                                    hyper.beta2, hyper.eps, hyper.amsgrad)
+            batch, writebacks = kernel_batch(
+                params[start:end], grads[start:end], [b[start:end] for b in buffers],
+                steps[start:end], BACKENDS[backend].flat, copies)
+            BACKENDS[backend].step(batch, batch_hyper, Scaling(
+                *(None if t is None else t.to(device)
+                  for t in (scaling.grad_scale, scaling.found_inf))))
+            writeback(writebacks)
+            start = end
+
+
+def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps):
+    """Run untraced (see the optimizer's _init_group): validates the group, checks its
+    gradients, makes missing state, and fills the lists with the parameters that have a
+    gradient, their gradients, state buffers and step counters, batch after batch. Returns
+    each batch's (backend, number of parameters, each one's dense_copies), decided here from
+    the layouts: constants, as dynamo takes them. (Dynamo guards the parameters, not the gradients;
+    the kernel refuses a gradient laid out otherwise.)"""
+    gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+    validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
+    if gi == 0:
+        check_unique(optimizer.param_groups)
+    num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
+    indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
+    names = optimizer._buffer_names[:num_buffers]
+    out = []
+    for backend, idx, _, (device, dtype) in group_batches(group, gi, indices):
+        backend = traceable(backend, device, dtype.to_real())
+        copies = []
+        for pi in idx:
+            p = group["params"][pi]
+            state = optimizer._batches.state_for(optimizer, p, names, group)
+            params.append(p)
+            grads.append(p.grad)
+            bufs = [state[name] for name in names]
+            for lst, buf in zip((buffer0, buffer1, buffer2, buffer3), bufs):
+                lst.append(buf)
+            steps.append(state["step"])
+            param, grad, bufs = kernel_views(p, p.grad, bufs)
+            copies.append(dense_copies(param, grad, bufs[0], BACKENDS[backend].flat))
+        out.append((backend, len(idx), tuple(copies)))
+    return tuple(out)

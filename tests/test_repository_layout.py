@@ -1,0 +1,115 @@
+"""The tree a newcomer reads (docs/design.md §3): one concern a file, no import cycles, every
+document a file names is in the repository, and the repository stays small."""
+import ast
+import re
+import subprocess
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+
+def _tracked():
+    try:
+        out = subprocess.run(["git", "ls-files", "-z"], cwd=ROOT, capture_output=True,
+                             check=True).stdout
+    except (OSError, subprocess.CalledProcessError):
+        pytest.skip("not a git checkout")
+    return [ROOT / name for name in out.decode().split("\0") if name]
+
+
+def _module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(parts)
+
+
+def _imports(path: Path, modules: set) -> set:
+    """The repository's modules this file imports (relative imports resolved; `from pkg
+    import name` counts as an import of pkg.name where that is a module)."""
+    name = _module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            targets = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")
+                anchor = anchor[:len(anchor) - node.level + 1]
+                base = ".".join(anchor + ([base] if base else []))
+            targets = [f"{base}.{alias.name}" for alias in node.names] + [base]
+        else:
+            continue
+        for target in targets:
+            while target and target not in modules:
+                target = target.rpartition(".")[0]
+            if target and target != name:
+                found.add(target)
+    return found
+
+
+def test_no_import_cycle_anywhere():
+    files = [p for p in _tracked() if p.suffix == ".py" and p.exists()]
+    modules = {_module_name(p): p for p in files}
+    graph = {name: _imports(path, set(modules)) for name, path in modules.items()}
+    # A package's __init__ importing its own submodules is how a package is made; the
+    # submodules importing the package back would be a cycle, and is caught.
+    for name in graph:
+        graph[name] = {t for t in graph[name] if not (name and t.startswith(name + "."))
+                       or not (ROOT / Path(*name.split("."))).is_dir()}
+    visiting, done, cycles = set(), set(), []
+
+    def visit(node, trail):
+        if node in done:
+            return
+        if node in visiting:
+            cycles.append(trail[trail.index(node):] + [node])
+            return
+        visiting.add(node)
+        for nxt in sorted(graph.get(node, ())):
+            visit(nxt, trail + [nxt])
+        visiting.discard(node)
+        done.add(node)
+
+    for start in sorted(graph):
+        visit(start, [start])
+    assert not cycles, "import cycles: " + "; ".join(" -> ".join(c) for c in cycles)
+
+
+def test_modules_stay_small():
+    too_long = {}
+    for path in _tracked():
+        limit = {"pnm_kernels": 500, "csrc": 600}.get(path.relative_to(ROOT).parts[0])
+        if limit and path.suffix in (".py", ".h", ".cpp", ".cu") and path.exists():
+            lines = len(path.read_text().splitlines())
+            if lines > limit:
+                too_long[str(path.relative_to(ROOT))] = lines
+    assert not too_long, f"split these by concern: {too_long}"
+
+
+def test_every_document_a_file_names_exists():
+    named = re.compile(r"[\w./-]*\w\.md\b")
+    missing = set()
+    for path in _tracked():
+        if path.suffix not in (".py", ".md", ".h", ".cpp", ".cu", ".sh", ".in", ".txt", ""):
+            continue
+        if not path.exists() or path.stat().st_size > 1_000_000:
+            continue
+        text = path.read_text(errors="replace")
+        for ref in set(named.findall(text)):
+            if "://" in ref or ref.startswith(("http", "www")):
+                continue
+            ref_path = ref.lstrip("./")
+            candidates = [path.parent / ref, ROOT / ref_path]
+            if not any(c.exists() for c in candidates):
+                missing.add(f"{path.relative_to(ROOT)} names {ref}")
+    assert not missing, "\n".join(sorted(missing))
+
+
+def test_the_tracked_files_total_at_most_3_mb():
+    total = sum(p.stat().st_size for p in _tracked() if p.exists())
+    assert total <= 3 * 1024 * 1024, f"{total / 2**20:.1f} MiB tracked"
