@@ -148,8 +148,8 @@ def machine_info(device, args):
 
 def load_triton_configs(path):
     """The best configurations of an experiments/tune_triton.py JSON, as
-    pnm_kernels.triton_kernels.set_launch_config takes them."""
-    from pnm_kernels.triton_kernels import LaunchConfig
+    pnm_kernels.backends.triton_kernels.set_launch_config takes them."""
+    from pnm_kernels.backends.triton_kernels import LaunchConfig
     with open(path) as f:
         best = json.load(f)["best"]
     return {(getattr(torch, b["dtype"]), b["optimizer"] == "AdaPNM"):

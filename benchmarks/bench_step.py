@@ -26,7 +26,7 @@ import torch
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size  # noqa: E402
-from pnm_kernels._backends import TRITON_DTYPES  # noqa: E402
+from pnm_kernels.backends import TRITON_DTYPES  # noqa: E402
 from bench_common import (BYTES_PER_ELEMENT, SETS, STATE_COPIES, copy_bandwidth,  # noqa: E402
                           load_triton_configs, machine_info, synchronize, timed_steps)
 from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
@@ -334,7 +334,7 @@ def main(argv=None):
     steps_per_round = 2 if args.quick else (10 if device == "cuda" else 3)
     info = machine_info(device, args)
     if args.triton_configs:
-        from pnm_kernels.triton_kernels import set_launch_config
+        from pnm_kernels.backends.triton_kernels import set_launch_config
         configs = load_triton_configs(args.triton_configs)
         set_launch_config(configs)
         info["triton_configs"] = {

@@ -3,6 +3,7 @@
 import torch
 
 from . import _ops  # noqa: F401  (loads the compiled extension when it is built)
+from .backends import resolve_backend
 from .optimizers import BACKENDS, PNM, AdaPNM
 
 __all__ = ["PNM", "AdaPNM", "BACKENDS", "available_backends"]
@@ -12,8 +13,6 @@ __version__ = "0.1.0"
 def available_backends(device: str | torch.device = "cpu",
                        dtype: torch.dtype | None = None) -> list[str]:
     """The backends that can run tensors of ``dtype`` (default float32) on ``device``."""
-    from ._backends import resolve_backend
-
     device, dtype = torch.device(device), dtype or torch.float32
     found = []
     for name in BACKENDS[1:]:

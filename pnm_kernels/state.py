@@ -133,6 +133,8 @@ def as_step(step, p) -> torch.Tensor:
     """A step counter as the backends take it: a STEP_DTYPE tensor on its parameter's device
     (a Python int in the authors' checkpoints; one set by hand may be anything numeric)."""
     if torch.is_tensor(step):
+        if step.dim() != 0:  # a one-element tensor of another shape, set by hand
+            step = step.detach().reshape(())
         return step.to(device=p.device, dtype=STEP_DTYPE)  # itself where it is one already
     return torch.as_tensor(float(step), dtype=STEP_DTYPE).to(p.device)
 

@@ -7,14 +7,18 @@ module, so that a rewrite of the package's internals updates this one file; each
 says what it observes and which internal it touches.
 
 No import of conftest here: tests/_triton_compile_check.py imports this module in a process
-that must not set TRITON_INTERPRET. pnm_kernels.triton_kernels is imported lazily, where
-triton is needed.
+that must not set TRITON_INTERPRET. pnm_kernels.backends.triton_kernels is imported lazily,
+where triton is needed.
 """
-from pnm_kernels import _backends
+import pnm_kernels.backends as backends
+from pnm_kernels import plan
+from pnm_kernels.backends import base, fused
+from pnm_kernels.backends import triton as triton_backend
+from pnm_kernels.hyper import Hyper
 
 
 def _triton_kernels():
-    from pnm_kernels import triton_kernels
+    from pnm_kernels.backends import triton_kernels
 
     return triton_kernels
 
@@ -23,132 +27,138 @@ def _triton_kernels():
 
 def count_planned_steps(opt, monkeypatch):
     """A list that grows by one at each step of `opt` that plans (a repeated step, which
-    reuses the last step's plan and held lists, does not). Wraps `opt._plan`."""
+    reuses the last step's plan and held lists, does not). Wraps `opt._planner.plan`."""
     plans = []
-    plan = opt._plan
-    monkeypatch.setattr(opt, "_plan", lambda *a, **k: plans.append(1) or plan(*a, **k))
+    planner = opt._planner
+    original = planner.plan
+    monkeypatch.setattr(planner, "plan", lambda *a, **k: plans.append(1) or original(*a, **k))
     return plans
 
 
 def record_repeated_steps(opt, monkeypatch):
     """A list that gets, at each step of `opt`, whether it repeated the last step (True) or
-    had to plan (False). Wraps `opt._repeat_step`, which every step tries first."""
-    repeated, repeat_step = [], opt._repeat_step
-    monkeypatch.setattr(opt, "_repeat_step",
-                        lambda *a: repeated.append(repeat_step(*a)) or repeated[-1])
+    had to plan (False). Wraps `opt._repeat.run`, which every step tries first."""
+    repeated, repeat = [], opt._repeat
+    run = repeat.run
+    monkeypatch.setattr(repeat, "run", lambda *a: repeated.append(run(*a)) or repeated[-1])
     return repeated
 
 
 def never_remember_steps(opt):
     """`opt` with every step planned: the step it remembers (to repeat it) is forgotten at
     once. The yardstick for "repeated steps give what planned ones give". Replaces
-    `opt._remember_step` on the instance."""
-    opt._remember_step = lambda plan, batches: None
+    `opt._repeat.remember` on the instance."""
+    opt._repeat.remember = lambda *a, **k: None
     return opt
 
 
 def count_batch_builds(opt):
     """A list that grows by one each time `opt` builds a batch (the tensor lists a kernel
-    steps). Wraps `opt._build_batch` on the instance, for as long as `opt` lives."""
+    steps). Wraps `opt._batches.build` on the instance, for as long as `opt` lives."""
     builds = []
-    build = opt._build_batch
-    opt._build_batch = lambda *a, **k: builds.append(1) or build(*a, **k)
+    cache = opt._batches
+    build = cache.build
+    cache.build = lambda *a, **k: builds.append(1) or build(*a, **k)
     return builds
 
 
-# --- the backends (pnm_kernels/_backends.py) ----------------------------------------------
+# --- the backends (pnm_kernels/backends/) ---------------------------------------------
 
 def refuse_next_held_fused_step(monkeypatch):
     """The next fused step on held lists (the one that takes the gradients itself) is
     refused by its kernel, as before anything is written; later ones run. Returns a list
-    that gets one entry per refusal. Wraps `_backends.run_fused_own_grads`."""
-    run = _backends.run_fused_own_grads
+    that gets one entry per refusal. Wraps `FusedBackend.prepare_repeat`'s launch."""
+    prepare = fused.FusedBackend.prepare_repeat
     refusals = []
 
-    def refuse_once(*args):
-        if not refusals:
-            refusals.append(1)
-            raise RuntimeError("refused (test)")
-        return run(*args)
+    def prepare_refusing_once(self, *args):
+        launch = prepare(self, *args)
 
-    monkeypatch.setattr(_backends, "run_fused_own_grads", refuse_once)
+        def refuse_once(scaling):
+            if not refusals:
+                refusals.append(1)
+                raise RuntimeError("refused (test)")
+            return launch(scaling)
+        return refuse_once
+
+    monkeypatch.setattr(fused.FusedBackend, "prepare_repeat", prepare_refusing_once)
     return refusals
 
 
 def extension_unavailable(monkeypatch, reason):
     """The backends see no compiled extension (pnm_kernels._C), for `reason`; nothing else
-    changes. Sets `_backends.extension_error`."""
-    monkeypatch.setattr(_backends, "extension_error", lambda: reason)
+    changes. Sets `extension_error` where the backends read it."""
+    for module in (base, fused):
+        monkeypatch.setattr(module, "extension_error", lambda: reason)
 
 
 def python_gradient_checks(monkeypatch):
     """The gradients are checked in Python, as without the compiled extension, instead of
-    by its native check. Sets `_backends.first_mismatched_grad` to None."""
-    monkeypatch.setattr(_backends, "first_mismatched_grad", None)
+    by its native check. Sets `plan._native_check` to None."""
+    monkeypatch.setattr(plan, "_native_check", None)
 
 
 def triton_only_install(monkeypatch):
     """As on an install with triton but without pnm_kernels._C: the extension is missing
-    and every check of gradients and held lists is the Python one. Sets
-    `_backends.extension_error` and `_backends.first_mismatched_grad`."""
+    and every check of gradients and held lists is the Python one."""
     extension_unavailable(monkeypatch, "not built, for the test")
     python_gradient_checks(monkeypatch)
 
 
 def extension_is_built():
-    """Whether the backends find the compiled extension. Calls `_backends.extension_error`."""
-    return _backends.extension_error() is None
+    """Whether the backends find the compiled extension."""
+    return base.extension_error() is None
 
 
 def simulate_cuda_graph_capture(monkeypatch):
     """Every step sees a CUDA graph capture under way (on CPU tensors too), as the backends
-    ask before a host-reading step. Sets `_backends.capturing`; monkeypatch.undo() ends it."""
-    monkeypatch.setattr(_backends, "capturing", lambda device: True)
+    ask before a host-reading step. Sets `capturing` where the backends read it;
+    monkeypatch.undo() ends it."""
+    for module in (backends, base):
+        monkeypatch.setattr(module, "capturing", lambda device: True)
 
 
 def resolve_auto_backend(device, dtype):
-    """The backend "auto" picks for parameters of `dtype` on `device`. Calls
-    `_backends.resolve_backend`."""
-    return _backends.resolve_backend("auto", device, dtype)
+    """The backend "auto" picks for parameters of `dtype` on `device`."""
+    return backends.resolve_backend("auto", device, dtype)
 
 
 def kernels_take_only_their_own_dtypes(monkeypatch):
     """The fused and the Triton kernels count as available (a CUDA device without one
-    present) for exactly the dtypes each is built for. Sets
-    `_backends.triton_unavailable_reason` and `_backends.fused_unavailable_reason` from
-    `_backends.TRITON_DTYPES` and `_backends.FUSED_DTYPES`."""
+    present) for exactly the dtypes each is built for. Sets the backends'
+    `triton_unavailable_reason` and `fused_unavailable_reason` from their DTYPES."""
     def takes(dtypes):
         return lambda device, dtype: None if dtype in dtypes else "dtype"
 
-    monkeypatch.setattr(_backends, "triton_unavailable_reason", takes(_backends.TRITON_DTYPES))
-    monkeypatch.setattr(_backends, "fused_unavailable_reason", takes(_backends.FUSED_DTYPES))
+    monkeypatch.setattr(backends, "triton_unavailable_reason", takes(backends.TRITON_DTYPES))
+    monkeypatch.setattr(backends, "fused_unavailable_reason", takes(backends.FUSED_DTYPES))
 
 
 def fused_kernels_unavailable(monkeypatch, reason="no CUDA"):
-    """The fused kernels count as unavailable for every device and dtype. Sets
-    `_backends.fused_unavailable_reason`."""
-    monkeypatch.setattr(_backends, "fused_unavailable_reason", lambda device, dtype: reason)
+    """The fused kernels count as unavailable for every device and dtype."""
+    monkeypatch.setattr(backends, "fused_unavailable_reason", lambda device, dtype: reason)
 
 
 def make_batch(params, grads, buffers, steps):
     """One batch as the backends hand it to a kernel: parameters, gradients, the state
     buffer lists and the step counters; its `buffers`, `steps` and `grads` lists may be
-    edited. Builds a `_backends.Batch`."""
-    return _backends.Batch(params, grads, buffers, steps)
+    edited. Builds a `backends.base.Batch`."""
+    return base.Batch(params, grads, buffers, steps)
 
 
-# --- the Triton kernels (pnm_kernels/triton_kernels.py) -----------------------------------
+# --- the Triton backend (pnm_kernels/backends/triton.py, triton_kernels.py) -----------------
 
 def run_triton_step(adaptive, batch, hp, grad_scale=None, found_inf=None):
     """One Triton step of a batch from make_batch, `hp` the hyper-parameters as a dict
-    (lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize). Calls
-    `triton_kernels.step`."""
-    return _triton_kernels().step(adaptive, batch, hp, grad_scale, found_inf)
+    (lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize)."""
+    hyper = Hyper(adaptive=adaptive, **hp)
+    return backends.BACKENDS["triton"].step(batch, hyper, base.Scaling(grad_scale, found_inf))
 
 
 def simulate_triton_graph_capture(monkeypatch):
-    """The Triton step sees a CUDA graph capture under way. Sets `triton_kernels.capturing`."""
-    monkeypatch.setattr(_triton_kernels(), "capturing", lambda device: True)
+    """The Triton step sees a CUDA graph capture under way. Sets `capturing` in the Triton
+    backend."""
+    monkeypatch.setattr(triton_backend, "capturing", lambda device: True)
 
 
 class _Recorder:

@@ -103,7 +103,7 @@ def _worker(rank, mode, name, workdir, port):
             if zero:  # this rank's optimizer holds state for its share only
                 assert 0 < len(opt.optim.state) < len(list(model.parameters()))
                 # the plain dicts ZeRO loaded were made counted: the steps could repeat
-                assert all(type(e).__name__ == "_ParamState" for e in opt.optim.state.values())
+                assert all(type(e).__name__ == "ParamState" for e in opt.optim.state.values())
             full = [p.detach().cpu() for p in model.parameters()]
         else:
             _shard(model, offload=mode == "fsdp-offload", device_type=device.type)

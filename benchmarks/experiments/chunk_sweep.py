@@ -22,7 +22,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]  # bench_common, the checkout
 from bench_common import SETS, machine_info, timed  # noqa: E402
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
-from pnm_kernels._backends import TRITON_DTYPES  # noqa: E402
+from pnm_kernels.backends import TRITON_DTYPES  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size, set_launch_limits  # noqa: E402
 
 FACTORIES = {"PNM": lambda ps, b: PNM(ps, lr=1e-3, betas=(0.9, 1.0), backend=b),

@@ -12,7 +12,7 @@ import time
 import torch
 
 from pnm_kernels import PNM, AdaPNM
-from pnm_kernels import triton_kernels
+from pnm_kernels.backends import triton_kernels
 
 
 class _NoLaunch:

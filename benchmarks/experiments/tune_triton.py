@@ -23,7 +23,7 @@ if not torch.cuda.is_available():
 HERE = os.path.dirname(os.path.abspath(__file__))
 sys.path[:0] = [os.path.join(HERE, ".."), os.path.join(HERE, "..", "..")]  # bench_common, the checkout
 from pnm_kernels import PNM, AdaPNM  # noqa: E402
-from pnm_kernels.triton_kernels import LaunchConfig, set_launch_config  # noqa: E402
+from pnm_kernels.backends.triton_kernels import LaunchConfig, set_launch_config  # noqa: E402
 
 from bench_common import BYTES_PER_ELEMENT, copy_bandwidth, timed_steps  # noqa: E402
 

@@ -18,8 +18,9 @@ from .layout import fits
 EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
 PNM_BUFFERS: tuple[str, ...] = ("pos_momentum", "neg_momentum")
 ADAPNM_BUFFERS: tuple[str, ...] = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-# Step counters: float32, as torch's capturable and fused optimizers keep them.
-STEP_DTYPE = torch.float32
+# Step counters: float64, exact to 2^53 steps. (torch's capturable and fused optimizers keep
+# float32 ones, which stop at 2^24 = 16.8 M: PNM would stop alternating its buffers there.)
+STEP_DTYPE = torch.float64
 
 
 @dataclass

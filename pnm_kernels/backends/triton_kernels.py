@@ -84,7 +84,7 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
     numel = tl.load(numels + t)
     # Counters are incremented after every program read them (COUNT_STEPS: by the program
     # that finishes last; else by a second launch): this is step + 1.
-    step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float32))) + 1.0
+    step = tl.load(tl.load(step_table + t).to(tl.pointer_type(tl.float64))) + 1.0
     odd = (step.to(tl.int64) % 2) == 1
     if HAS_LR_TENSOR:
         lr = tl.load(lr_ptr)
@@ -155,7 +155,7 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
 @triton.jit
 def _increment_counters(step_table, offs, n_tensors):
     mask = offs < n_tensors
-    addr = tl.load(step_table + offs, mask=mask, other=0).to(tl.pointer_type(tl.float32))
+    addr = tl.load(step_table + offs, mask=mask, other=0).to(tl.pointer_type(tl.float64))
     tl.store(addr, tl.load(addr, mask=mask) + 1.0, mask=mask)
 
 

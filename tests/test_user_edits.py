@@ -1,0 +1,182 @@
+"""Edits a user can make between steps, each checked against backend="reference" (parameters
+and every state buffer, after every step): the fast paths never step stale or foreign
+memory, and a step that raises has changed nothing."""
+import collections
+
+import pytest
+import torch
+
+import cases
+from cases import FAST_PATHS
+from conftest import OPTIMIZERS, assert_states_close, clone_params, grads_for_step, make_params
+
+EVERY_PATH = FAST_PATHS + ["reference"]
+
+
+def _side_by_side(name, path, shapes, groups=None, **kwargs):
+    """(fast optimizer, its params, reference optimizer, its params), the same start."""
+    params = make_params(shapes)
+    ref = clone_params(params)
+
+    def build(ps, backend):
+        if groups is None:
+            return OPTIMIZERS[name](ps, lr=0.1, backend=backend, **kwargs)
+        return OPTIMIZERS[name]([dict(g, params=[ps[i] for i in g["params"]]) for g in groups],
+                                lr=0.1, backend=backend, **kwargs)
+    return build(params, path), params, build(ref, "reference"), ref
+
+
+def _step_both(fast, params, ref, ref_params, t):
+    for ps in (params, ref_params):
+        for p, g in zip(ps, grads_for_step(ps, t)):
+            p.grad = g
+    fast.step()
+    ref.step()
+    assert_states_close(fast, params, ref, ref_params)
+
+
+@cases.parametrize(FAST_PATHS)
+def test_an_earlier_state_object_put_back_is_the_one_stepped(path, name):
+    """opt.state = an earlier state object is what the next step reads, not the lists built
+    from the state it replaced."""
+    fast, params, ref, ref_params = _side_by_side(name, path, [(5,), (4, 3)])
+    for t in range(3):
+        _step_both(fast, params, ref, ref_params, t)
+    saved = fast.state, ref.state
+    fast.state, ref.state = collections.defaultdict(dict), collections.defaultdict(dict)
+    _step_both(fast, params, ref, ref_params, 3)
+    fast.state, ref.state = saved
+    for t in range(4, 7):
+        _step_both(fast, params, ref, ref_params, t)
+    assert fast.state[params[0]]["step"].item() == 6
+
+
+@cases.parametrize(FAST_PATHS)
+def test_another_optimizers_state_assigned_is_the_one_stepped(path, name):
+    """opt_b.state = opt_a.state: opt_b steps opt_a's tensors from then on."""
+    params = make_params([(5,), (4, 3)])
+    ref_params = clone_params(params)
+    fast_a, fast_b, ref_a, ref_b = (OPTIMIZERS[name](ps, lr=0.1, backend=backend)
+                                    for ps, backend in ((params, path), (params, path),
+                                                        (ref_params, "reference"),
+                                                        (ref_params, "reference")))
+    for t in range(3):
+        _step_both(fast_a, params, ref_a, ref_params, t)
+    for t in range(3, 5):
+        _step_both(fast_b, params, ref_b, ref_params, t)
+    fast_b.state, ref_b.state = fast_a.state, ref_a.state
+    for t in range(5, 8):
+        _step_both(fast_b, params, ref_b, ref_params, t)
+    assert fast_b.state[params[0]]["step"].item() == 6
+
+
+NEW_DATA = {
+    "float64 buffer": lambda t: t.double(),
+    "bfloat16 buffer": lambda t: t.to(torch.bfloat16),
+    "transposed buffer": lambda t: t.t().contiguous().t(),  # the parameter edited is 2-d
+}
+
+
+@cases.parametrize(FAST_PATHS)
+@pytest.mark.parametrize("change", sorted(NEW_DATA))
+@pytest.mark.parametrize("which", [0, -1])
+def test_a_buffer_given_new_data_is_converted_and_stepped_in_every_group(path, name, change,
+                                                                         which):
+    """buf.data = ... of another dtype or layout: the state follows its parameter, as the
+    reference's, in every group (no group steps while another refuses)."""
+    fast, params, ref, ref_params = _side_by_side(
+        name, path, [(6,), (8, 4)], groups=[dict(params=[0]), dict(params=[1], lr=0.05)])
+    for t in range(3):
+        _step_both(fast, params, ref, ref_params, t)
+    for opt, ps in ((fast, params), (ref, ref_params)):
+        state = opt.state[ps[1]]
+        key = sorted(k for k in state if k != "step")[which]
+        state[key].data = NEW_DATA[change](state[key].data)
+    for t in range(3, 6):
+        _step_both(fast, params, ref, ref_params, t)
+
+
+@cases.parametrize(FAST_PATHS)
+@pytest.mark.parametrize("counter", [torch.tensor(3), torch.tensor(3.0, dtype=torch.float64),
+                                     torch.tensor([3.0])], ids=["int64", "float64", "1-d"])
+def test_a_step_counter_given_new_data_is_converted_and_counts_on(path, name, counter):
+    fast, params, ref, ref_params = _side_by_side(
+        name, path, [(6,), (8, 4)], groups=[dict(params=[0]), dict(params=[1], lr=0.05)])
+    for t in range(3):
+        _step_both(fast, params, ref, ref_params, t)
+    for opt, ps in ((fast, params), (ref, ref_params)):
+        opt.state[ps[1]]["step"].data = counter.clone()
+    for t in range(3, 6):
+        for ps in (params, ref_params):
+            for p, g in zip(ps, grads_for_step(ps, t)):
+                p.grad = g
+        fast.step()
+        ref.step()
+        for a, b in zip(params, ref_params):
+            torch.testing.assert_close(a.detach(), b.detach())
+        assert fast.state[params[1]]["step"].item() == ref.state[ref_params[1]]["step"].item()
+
+
+@cases.parametrize(FAST_PATHS)
+def test_a_buffer_given_data_of_another_shape_raises_before_any_group_steps(path, name):
+    params = make_params([(6,), (8, 4)])
+    opt = OPTIMIZERS[name]([dict(params=[params[0]]), dict(params=[params[1]], lr=0.05)],
+                           lr=0.1, backend=path)
+    for t in range(3):
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g
+        opt.step()
+    buffer = next(iter(v for k, v in opt.state[params[1]].items() if k != "step"))
+    buffer.data = torch.zeros(5)
+    before = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].item() for p in params]
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\].*shape \(5,\)"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+    assert [opt.state[p]["step"].item() for p in params] == steps
+
+
+@cases.parametrize(EVERY_PATH)
+def test_step_counters_count_exactly_past_2_to_the_24(path, name):
+    """A float32 counter stops at 2^24 (PNM then stops alternating its buffers); counters
+    count exactly far beyond any run, also from an authors'-format Python int."""
+    start = 2**24 + 1
+    fast, params, ref, ref_params = _side_by_side(name, path, [(3,)])
+    _step_both(fast, params, ref, ref_params, 0)
+    for opt, ps in ((fast, params), (ref, ref_params)):
+        opt.state[ps[0]]["step"] = start
+    for t in range(1, 4):
+        _step_both(fast, params, ref, ref_params, t)
+    assert fast.state[params[0]]["step"].item() == start + 3
+
+
+@cases.parametrize(EVERY_PATH)
+@pytest.mark.parametrize("where", ["same group", "another group"])
+def test_a_parameter_appended_twice_by_hand_is_refused_before_anything_is_touched(
+        path, name, where):
+    params = make_params([(3,), (4,)])
+    opt = OPTIMIZERS[name]([dict(params=[params[0]]), dict(params=[params[1]])], lr=0.1,
+                           backend=path)
+    for t in range(2):
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g
+        opt.step()
+    opt.param_groups[0 if where == "same group" else 1]["params"].append(params[0])
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"param_groups\[\d\]\['params'\]\[\d\] .* same tensor "
+                                         r"as param_groups\[0\]\['params'\]\[0\]"):
+        opt.step()
+    for p, b in zip(params, before):
+        assert torch.equal(p.detach(), b)
+    assert opt.state[params[0]]["step"].item() == 2
+
+
+@cases.parametrize(EVERY_PATH)
+def test_an_extra_group_key_holding_tensors_may_change_between_steps(path, name):
+    """torch's optimizers carry a group's extra keys along whatever they hold."""
+    fast, params, ref, ref_params = _side_by_side(name, path, [(3,)])
+    for t in range(4):
+        for opt in (fast, ref):
+            opt.param_groups[0]["masks"] = [torch.ones(3) * t]
+        _step_both(fast, params, ref, ref_params, t)
