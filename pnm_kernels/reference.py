@@ -1,7 +1,8 @@
-"""Pure-PyTorch reference of PNM and AdaPNM (DESIGN.md §1): per parameter, obviously correct.
+"""Pure-PyTorch reference of PNM and AdaPNM (docs/design.md §1): per parameter, obviously
+correct.
 
 This is the ground truth every faster backend is compared with. It follows the authors' code
-operation by operation, with DESIGN.md's two deliberate differences: L2 weight decay never
+operation by operation, with docs/design.md's two deliberate differences: L2 weight decay never
 writes into ``p.grad`` and ``maximize`` exists. Complex parameters are passed in as real views.
 """
 import math
