@@ -186,8 +186,10 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         runs = [start(*entry) for entry in entries]
         rotation = runs + probe
         for r in range(rounds):  # every contender once per round, the order reversed every
-            progress.show(f"{name}: round {r + 1}/{rounds}")  # other round: no one always first
+            # other round: no one always first
             for run in (rotation if r % 2 == 0 else rotation[::-1]):
+                # named as it runs: a round of a large set can take seconds per contender
+                progress.show(f"{name}: round {r + 1}/{rounds}, {run.get('label', 'copy')}")
                 if "probe" in run:
                     copies.append(copy_probe.sample(steps_per_round))
                 elif "opt" in run:
