@@ -5,8 +5,8 @@ Environment:
                           nvcc is absent or torch is a CPU-only build
   TORCH_CUDA_ARCH_LIST    CUDA architectures (default "8.0;9.0+PTX")
   MAX_JOBS                parallel compile jobs (default: 2)
-Install with `pip install --no-build-isolation --use-pep517 [-e] .` so the build uses the
-installed torch (--use-pep517: see benchmarks/setup_env.sh).
+Install with `pip install --no-build-isolation [-e] .` so the build uses the installed torch
+(why: pyproject.toml); without torch in sight it stops at once and says so.
 """
 import glob
 import os
@@ -19,7 +19,13 @@ from setuptools import find_packages, setup
 if not os.environ.get("CUDA_HOME") and os.path.exists("/usr/local/cuda/bin/nvcc"):
     os.environ["CUDA_HOME"] = "/usr/local/cuda"
 
-import torch
+try:
+    import torch
+except ModuleNotFoundError:  # pip's default, isolated build: a fresh environment without torch
+    raise SystemExit("pnm_kernels builds against your installed torch, which this isolated build "
+                     "cannot see: install torch first, then run `pip install --no-build-isolation .` "
+                     "(or `pip install --no-build-isolation -e .`, or "
+                     "`python -m build --wheel --no-isolation`).") from None
 from torch.utils.cpp_extension import BuildExtension, CppExtension, CUDAExtension
 
 os.environ.setdefault("MAX_JOBS", "2")

@@ -85,11 +85,34 @@ def synchronize(device):
 
 def copy_bandwidth(device, numel, repeats=10):
     """Measured read+write bandwidth of a large device-to-device copy, in GB/s (CUDA events
-    on a GPU, where a host clock around a millisecond copy would add its own overhead)."""
-    src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
-    dst = torch.zeros_like(src)  # touched: no page faults inside the timed copies
-    times = [timed(lambda: dst.copy_(src), device)[0] for _ in range(repeats + 2)]
-    return 2 * src.numel() * 4 / statistics.median(times[2:]) / 1e9
+    on a GPU, where a host clock around a millisecond copy would add its own overhead). Taken
+    once, this varies between moments on a shared CPU (46 vs 75 GB/s seen): bench_step.py
+    times a CopyProbe inside every round instead."""
+    probe = CopyProbe(device, numel)
+    return probe.gbps(statistics.median(probe.sample() for _ in range(repeats)))
+
+
+class CopyProbe:
+    """A large device-to-device copy to time beside the contenders, round by round, so the
+    bandwidth a step is compared with is taken in the same moments as the step (the median
+    over rounds is kept). On a CPU a plain copy_ also reads its destination before writing it
+    (read for ownership), which the read+write count omits: a step whose buffers are all read
+    then written (no such extra read) can then exceed 100 % of it."""
+
+    def __init__(self, device, numel):
+        self.device, self.numel = device, numel
+        self.src = torch.empty(numel, dtype=torch.float32, device=device).fill_(1.0)
+        self.dst = torch.zeros_like(self.src)  # touched: no page faults inside the timed copies
+        for _ in range(2):  # warm-up
+            self.dst.copy_(self.src)
+        synchronize(device)
+
+    def sample(self, calls=1):
+        """Seconds per copy over `calls` copies."""
+        return timed(lambda: self.dst.copy_(self.src), self.device, calls)[0]
+
+    def gbps(self, seconds):
+        return 2 * self.numel * 4 / seconds / 1e9
 
 
 def timed(fn, device, calls=1):

@@ -1,16 +1,19 @@
 """Optimizer step throughput: PNM/AdaPNM on every available backend against torch.optim.
 
-    python benchmarks/bench_step.py [--device cpu|cuda] [--quick]
+    python benchmarks/bench_step.py [--device cpu|cuda] [--quick] [--compiled]
                                     [--dtype float32|bfloat16|float16|float64]
                                     [--sets transformer,small2000,...] [--out DIR]
 
 Every contender runs in this one process, interleaved round by round, warm-up excluded; the
 figure kept is the median over rounds. Throughput is "effective GB/s": the minimum bytes the
 algorithm must move (docs/design.md §2) times the parameter count, divided by the step time, also
-shown as a fraction of this device's measured copy bandwidth. Ratios to torch's fused
-optimizers are medians of per-round paired ratios, so slow drift in a shared machine's speed
-cancels. Writes a Markdown table (also printed), a JSON with every figure and the machine, and
-a PNG plot.
+shown as a fraction of this device's copy bandwidth, a large copy timed in every round beside
+the contenders (median per set). Ratios to torch's fused optimizers are medians of per-round
+paired ratios, so slow drift in a shared machine's speed cancels. The torch.compile'd
+contenders are opt-in (--compiled: compiling them takes minutes on a CPU). Writes a Markdown
+table (also printed), a JSON with every figure and the machine, and a PNG figure (each step's
+time over torch's fused step, per set) to benchmarks/out/, which git ignores; the tables kept
+in the tree are in benchmarks/results/ (--out benchmarks/results to replace them).
 """
 import argparse
 import dataclasses
@@ -27,7 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size  # noqa: E402
 from pnm_kernels.backends import TRITON_DTYPES  # noqa: E402
-from bench_common import (BYTES_PER_ELEMENT, SETS, STATE_COPIES, copy_bandwidth,  # noqa: E402
+from bench_common import (BYTES_PER_ELEMENT, SETS, STATE_COPIES, CopyProbe,  # noqa: E402
                           load_triton_configs, machine_info, synchronize, timed_steps)
 from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 
@@ -36,6 +39,12 @@ DEFAULT_SETS = {"cpu": ["tiny2000", "small2000", "resnet50", "transformer", "fla
                 "cuda": ["tiny2000", "small2000", "resnet50", "transformer", "gpt2-124m", "llama-1b",
                          "flat1M", "flat4M", "flat16M", "flat64M", "flat256M", "flat1024M"]}
 QUICK_SETS = {"cpu": ["small2000", "transformer"], "cuda": ["small2000", "transformer", "flat64M"]}
+# Rounds per set: the default CPU run ends in about 1.5 minutes on an idle 2-core CPU.
+DEFAULT_ROUNDS = {"cpu": 9, "cuda": 15}
+OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
+# Each family's yardstick: torch's fused optimizer doing the same kind of step.
+PEERS = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused]",
+         "SGD-momentum": "torch.SGD-momentum[fused]", "Adam-amsgrad": "torch.Adam-amsgrad[fused]"}
 
 
 def contenders(device, dtype=torch.float32):
@@ -88,18 +97,24 @@ def _compiled(opt):
 
 
 class Progress:
-    """A one-line progress bar on stderr."""
+    """A one-line progress bar on stderr that names what runs now: a round of a set, or a
+    contender's warm-up (a compile, which takes long, included)."""
+
+    WIDTH = 60  # characters of the label: bar and label fit in 100 columns
 
     def __init__(self, total):
         self.total, self.done, self.start = total, 0, time.time()
 
+    def show(self, label):
+        """Names what runs next, without counting a round done."""
+        filled = int(12 * self.done / self.total)
+        sys.stderr.write(f"\r[{'#' * filled}{'.' * (12 - filled)}] {self.done}/{self.total} "
+                         f"{time.time() - self.start:4.0f}s {label[:self.WIDTH]:<{self.WIDTH}}")
+        sys.stderr.flush()
+
     def advance(self, label, count=1):
         self.done += count
-        width = 30
-        filled = int(width * self.done / self.total)
-        sys.stderr.write(f"\r[{'#' * filled}{'.' * (width - filled)}] {self.done}/{self.total} "
-                         f"{time.time() - self.start:5.0f}s {label[:40]:<40}")
-        sys.stderr.flush()
+        self.show(label)
         if self.done == self.total:
             sys.stderr.write("\n")
 
@@ -119,10 +134,12 @@ def fits_in_memory(family_bytes, numel, dtype, device):
 
 
 def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
-              skip_compiled=False):
+              skip_compiled=True, copy_probe=None):
     """Every contender on one parameter set. All contenders share the parameters and
     gradients (their values do not change the work) and run interleaved, round by round,
-    when all their states fit in memory together; otherwise one after the other."""
+    when all their states fit in memory together; otherwise one after the other. With a
+    copy_probe, a copy is timed in every round too (in the rotation, or after each contender's
+    round), and each row carries the set's median copy bandwidth."""
     numel = sum(torch.Size(s).numel() for s in shapes)
     if not fits_in_memory(12, numel, dtype, device):  # p, g, m, m_other, v, v_max (+ copies)
         progress.advance(f"{name}: skipped (memory)", rounds)
@@ -130,7 +147,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
                      error="skipped: does not fit in this device's memory")]
     entries = []
     for label, family, factory in contenders(device, dtype):
-        if label.endswith("[reference]") and (numel > (64 << 20) or
+        if label.endswith("[reference]") and (numel > ((64 if device == "cuda" else 16) << 20) or
                                               (device == "cuda" and len(shapes) > 200)):
             continue  # the eager per-parameter loop here only measures the host (and takes long)
         if "torch.compile" in label and (len(shapes) > 200 or skip_compiled):
@@ -149,6 +166,8 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         p.grad = torch.randn_like(p) * 1e-2
 
     def start(label, family, factory):
+        compiling = "torch.compile" in label
+        progress.show(f"{name}: {'compiling' if compiling else 'warm-up'} {label}")
         try:
             opt = factory(params)
             for _ in range(3):  # warm-up: state allocation, compilation, caches
@@ -161,29 +180,40 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
                     state_bytes=sum(t.numel() * t.element_size() for st in opt.state.values()
                                     for t in st.values() if torch.is_tensor(t)))
 
-    runs = []
+    runs, copies = [], []
+    probe = [dict(probe=copy_probe)] if copy_probe is not None else []
     if interleaved:
         runs = [start(*entry) for entry in entries]
+        rotation = runs + probe
         for r in range(rounds):  # every contender once per round, the order reversed every
-            for run in (runs if r % 2 == 0 else runs[::-1]):  # other round: no one always first
-                if "opt" in run:
+            # other round: no one always first
+            for run in (rotation if r % 2 == 0 else rotation[::-1]):
+                # named as it runs: a round of a large set can take seconds per contender
+                progress.show(f"{name}: round {r + 1}/{rounds}, {run.get('label', 'copy')}")
+                if "probe" in run:
+                    copies.append(copy_probe.sample(steps_per_round))
+                elif "opt" in run:
                     t, host = timed_steps(run["opt"], device, steps_per_round)
                     run["times"].append(t)
                     run["host_times"].append(host)
-            progress.advance(name)
+            progress.advance(f"{name}: round {r + 1}/{rounds}")
     else:
         for i, entry in enumerate(entries):
             run = start(*entry)
             if "opt" in run:
+                progress.show(f"{name}: {rounds} rounds of {entry[0]}")
                 for _ in range(rounds):
                     t, host = timed_steps(run["opt"], device, steps_per_round)
                     run["times"].append(t)
                     run["host_times"].append(host)
+                    if probe:
+                        copies.append(copy_probe.sample(steps_per_round))
                 del run["opt"]  # free its state before the next contender
                 if device == "cuda":
                     torch.cuda.empty_cache()
             runs.append(run)
         progress.advance(name, rounds)
+    copy_gbps = copy_probe.gbps(statistics.median(copies)) if copies else None
     results = []
     scale = torch.tensor([], dtype=dtype).element_size() / 4
     for run in runs:
@@ -197,6 +227,8 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
                        host_ms=statistics.median(run["host_times"]) * 1e3,
                        gbps=BYTES_PER_ELEMENT[run["family"]] * scale * numel / t / 1e9,
                        state_bytes=run["state_bytes"], paired=run["interleaved"])
+            if copy_gbps:
+                row.update(copy_gbps=copy_gbps, copy_samples=len(copies))
         results.append(row)
         run.pop("opt", None)
     by_label = {r["label"]: r for r in results if "ms" in r}
@@ -206,8 +238,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         ref = by_label.get(f"{r['family']}[reference]")
         if ref:
             r["speedup_vs_reference"] = ref["ms"] / r["ms"]
-        peer = by_label.get({"PNM": "torch.SGD-momentum[fused]",
-                             "AdaPNM": "torch.Adam-amsgrad[fused]"}.get(r["family"]))
+        peer = by_label.get(PEERS.get(r["family"]))
         if peer:
             r.update(versus_peer(r, peer))
     return results
@@ -227,10 +258,21 @@ def versus_peer(row, peer):
                 gbps_vs_torch_fused=row["gbps"] / peer["gbps"], compared="ratio of medians")
 
 
-def write_table(results, copy_gbps, info):
+def copy_summary(results):
+    """{set: median copy GB/s of its rounds} for the sets that timed the copy."""
+    return {r["set"]: r["copy_gbps"] for r in results if r.get("copy_gbps")}
+
+
+def write_table(results, info):
     gpu = info["device"] == "cuda"  # there the host's time to issue a step is its own column
+    copies = copy_summary(results)
+    low, high = (min(copies.values()), max(copies.values())) if copies else (0, 0)
+    band = (f"{low:.1f} GB/s" if f"{low:.1f}" == f"{high:.1f}" else f"{low:.1f}–{high:.1f} GB/s"
+            ) if copies else "not measured"
     lines = [f"Device: {info.get('gpu') or info['cpu']} ({info['device']}, {info['threads']} threads), "
-             f"torch {info['torch']}, triton {info['triton']}; copy bandwidth {copy_gbps:.1f} GB/s",
+             f"torch {info['torch']}, triton {info['triton']}, {info.get('dtype', 'float32')}; "
+             f"copy bandwidth {band} (a copy of {info.get('copy_mib', '?')} MiB timed in every "
+             f"round, median per set)",
              "", "| set | optimizer | ms/step |" + (" host ms/step |" if gpu else "") +
              " eff. GB/s | % of copy BW | vs reference | time vs torch fused | GB/s vs torch fused |"
              " state MiB |", "|---|---|---|" + ("---|" if gpu else "") + "---|---|---|---|---|---|"]
@@ -246,12 +288,18 @@ def write_table(results, copy_gbps, info):
         if "error" in r:
             lines.append(f"| {r['set']} | {r['label']} | {r['error'][:70]} |||||||" + ("|" if gpu else ""))
             continue
+        share = f"{100 * r['gbps'] / r['copy_gbps']:.0f}%" if r.get("copy_gbps") else "–"
         lines.append(f"| {r['set']} | {r['label']} | {r['ms']:.3f} | " +
                      (f"{r['host_ms']:.3f} | " if gpu else "") +
                      f"{r['gbps']:.1f} | "
-                     f"{100 * r['gbps'] / copy_gbps:.0f}% | {fmt(r, 'speedup_vs_reference', '%.1fx')} | "
+                     f"{share} | {fmt(r, 'speedup_vs_reference', '%.1fx')} | "
                      f"{fmt(r, 'time_vs_torch_fused', '%.2f')} | {fmt(r, 'gbps_vs_torch_fused', '%.2f')} | "
                      f"{r['state_bytes'] / 2**20:.0f} |")
+    if not gpu and any(r.get("copy_gbps") and r["gbps"] > r["copy_gbps"] for r in results):
+        lines += ["", "Above 100 % of copy bandwidth on a CPU: a plain copy also reads its "
+                  "destination before writing it (read for ownership), which its read + write "
+                  "count omits, while every buffer an optimizer writes it has read first; and part "
+                  "of a small set stays in cache. Compare the ratios to torch, not percentages."]
     if any("torch.compile" in r["label"] for r in results):
         lines += ["", "[reference+torch.compile]: `torch.compile(opt.step)` over the per-parameter "
                   "reference; it breaks the graph at each parameter's host-side step count, "
@@ -263,40 +311,114 @@ def write_table(results, copy_gbps, info):
     return "\n".join(lines)
 
 
-def plot(results, copy_gbps, info, path):
+# The figure: one style per way of running a step, the same in both panels, with its legend
+# entry. Ours (fused, Triton) first and drawn bold.
+KINDS = [("fused", "tab:red", "o", "pnm_kernels fused"),
+         ("triton", "tab:purple", "D", "pnm_kernels Triton"),
+         ("foreach", "tab:orange", "s", "pnm_kernels foreach"),
+         ("reference", "tab:brown", "v", "pnm_kernels reference (per parameter)"),
+         ("reference+torch.compile", "tab:olive", "X", "reference + torch.compile"),
+         ("user foreach+torch.compile", "tab:pink", "P", "PNM/AdaPNM in foreach ops + torch.compile"),
+         ("pytorch_optimizer", "tab:cyan", "^", "pytorch_optimizer"),
+         ("torch foreach", "tab:blue", "<", "torch foreach"),
+         ("torch foreach+torch.compile", "tab:green", ">", "torch foreach + torch.compile"),
+         ("torch AdamW fused", "tab:gray", "h", "torch AdamW fused (AdaPNM panel)"),
+         ("torch AdamW foreach", "0.6", "H", "torch AdamW foreach (AdaPNM panel)")]
+
+
+def kind_of(label):
+    """"PNM[fused]" -> "fused", "torch.Adam-amsgrad[foreach]" -> "torch foreach", ..."""
+    if label.startswith("pytorch_optimizer."):
+        return "pytorch_optimizer"
+    name, _, how = label.rstrip("]").partition("[")
+    if name.startswith("torch.AdamW"):
+        return f"torch AdamW {how}"
+    return f"torch {how}" if name.startswith("torch.") else how
+
+
+def count(n):
+    """1,234,567 -> "1.23M" (elements)."""
+    for size, unit in ((1e9, "B"), (1e6, "M"), (1e3, "K")):
+        if n >= size:
+            return f"{n / size:.3g}{unit}"
+    return str(n)
+
+
+def plot(results, info, path):
+    """Per set, each contender's step time over torch's fused step of its family (PNM: SGD
+    with momentum, AdaPNM: Adam-AMSGrad), on a log axis; ours named on the right."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
+    from matplotlib.lines import Line2D
 
-    fig, ax = plt.subplots(figsize=(9, 5.5))
-    labels = sorted({r["label"] for r in results if "gbps" in r})
-    colors = plt.rcParams["axes.prop_cycle"].by_key()["color"]
-    markers = "os^vD<>ph*"
-    for i, label in enumerate(labels):
-        ours = label.startswith(("PNM", "AdaPNM")) and "torch.compile" not in label
-        kw = dict(color=colors[i % len(colors)], marker=markers[i // len(colors) % len(markers)])
-        rows = [r for r in results if r["label"] == label and "gbps" in r]
-        flat = sorted((r["numel"], r["gbps"]) for r in rows if r["set"].startswith("flat"))
-        if flat:  # flat tensors of growing size: a line
-            ax.plot([p[0] for p in flat], [p[1] for p in flat], "-" if ours else "--",
-                    label=label, markersize=4, **kw)
-        model = [r for r in rows if not r["set"].startswith("flat")]
-        ax.scatter([r["numel"] for r in model], [r["gbps"] for r in model], s=28,
-                   label=None if flat else label, **kw)
-    for name in sorted({r["set"] for r in results if not r["set"].startswith("flat")}):
-        xs = [r["numel"] for r in results if r["set"] == name]
-        if xs:
-            ax.annotate(name, (xs[0], 0), textcoords="offset points", xytext=(0, 4),
-                        fontsize=7, rotation=90, color="gray")
-    ax.axhline(copy_gbps, color="black", linestyle=":", label=f"copy bandwidth {copy_gbps:.0f} GB/s")
-    ax.set_xscale("log")
-    ax.set_xlabel("parameters (elements)")
-    ax.set_ylabel("effective GB/s (lines: flat tensors; points: model-shaped sets)")
-    ax.set_title(f"Optimizer step throughput on {info.get('gpu') or info['cpu']}", fontsize=10)
-    ax.legend(fontsize=7, ncol=2)
-    ax.grid(alpha=0.3)
+    sets = list(dict.fromkeys(r["set"] for r in results if "time_vs_torch_fused" in r))
+    style = {k: (c, m) for k, c, m, _ in KINDS}
+    fig, axes = plt.subplots(1, 2, figsize=(12, 1.6 + 0.55 * max(len(sets), 1)), sharey=True,
+                             squeeze=False)
+    ratios = [r["time_vs_torch_fused"] for r in results if "time_vs_torch_fused" in r]
+    lo, hi = min(ratios + [0.8]) / 1.3, max(ratios + [1.25]) * 1.3
+    ticks = [2.0 ** k for k in range(-8, 9) if lo <= 2.0 ** k <= hi]
+    shown = []
+    for ax, family in zip(axes[0], ("PNM", "AdaPNM")):
+        rows = [r for r in results if r.get("family") == family or
+                (family == "AdaPNM" and r.get("family") == "Adam-amsgrad") or
+                (family == "PNM" and r.get("family") == "SGD-momentum")]
+        rows = [r for r in rows if "time_vs_torch_fused" in r and r["label"] != PEERS[family]]
+        kinds = [k for k, _, _, _ in KINDS if any(kind_of(r["label"]) == k for r in rows)]
+        ours = []
+        for i, name in enumerate(sets):
+            for j, kind in enumerate(kinds):  # each kind its own height within the set's row
+                row = next((r for r in rows if r["set"] == name and kind_of(r["label"]) == kind), None)
+                if row is None:
+                    continue
+                color, marker = style[kind]
+                y = i + (j - (len(kinds) - 1) / 2) * 0.7 / max(len(kinds), 1)
+                mine = kind in ("fused", "triton")
+                ax.plot([1, row["time_vs_torch_fused"]], [y, y], color=color, lw=2 if mine else 0.8,
+                        alpha=0.9 if mine else 0.5)
+                ax.plot(row["time_vs_torch_fused"], y, marker=marker, color=color,
+                        markersize=8 if mine else 6, markeredgecolor="black" if mine else color,
+                        linestyle="none")
+                if kind not in shown:
+                    shown.append(kind)
+            mine = [f"{k} {r['time_vs_torch_fused']:.2f}×" for k in ("fused", "triton")
+                    for r in rows if r["set"] == name and kind_of(r["label"]) == k]
+            ours.append(" / ".join(mine) or "–")
+        for i in range(len(sets) - 1):
+            ax.axhline(i + 0.5, color="0.85", lw=0.8)
+        ax.axvline(1, color="black", lw=1.2)
+        ax.set_xscale("log")
+        ax.set_xlim(lo, hi)
+        ax.set_xticks(ticks, [f"{t:g}" if t >= 1 else f"1/{1 / t:g}" for t in ticks])
+        ax.minorticks_off()
+        ax.grid(axis="x", alpha=0.3)
+        ax.set_xlabel(f"step time ÷ {PEERS[family]} (log; < 1: faster)", fontsize=9)
+        ax.set_title(f"{family}{'-AMSGrad' if family == 'AdaPNM' else ''} vs torch's fused "
+                     f"{'SGD-momentum' if family == 'PNM' else 'Adam-AMSGrad'}", fontsize=10)
+        right = ax.twinx()  # our steps' ratios, as text beside each row, off the data
+        right.set_ylim(len(sets) - 0.5, -0.5)
+        right.set_yticks(range(len(sets)), ours, fontsize=8)
+        right.tick_params(length=0)
+    first = axes[0][0]
+    first.set_ylim(len(sets) - 0.5, -0.5)
+    numel = {r["set"]: (r["numel"], r["tensors"]) for r in results}
+    first.set_yticks(range(len(sets)), [f"{s}\n{numel[s][1]} tensor{'s' * (numel[s][1] > 1)}, "
+                                        f"{count(numel[s][0])}" for s in sets], fontsize=8)
+    info_line = (f"{info.get('gpu') or info['cpu']} ({info['device']}, {info['threads']} threads), "
+                 f"{info.get('dtype', 'float32')}, torch {info['torch']}, triton {info['triton']}, "
+                 f"pnm_kernels {info['pnm_kernels']}, {info['date'][:10]}")
+    fig.suptitle(f"Optimizer step time relative to torch's fused optimizer, per parameter set\n"
+                 f"{info_line}", fontsize=10)
+    names = {k: name for k, _, _, name in KINDS}
+    handles = [Line2D([], [], color=style[k][0], marker=style[k][1], linestyle="-",
+                      markersize=8 if k in ("fused", "triton") else 6,
+                      markeredgecolor="black" if k in ("fused", "triton") else style[k][0],
+                      label=names[k]) for k in names if k in shown]
+    fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(5, len(shown) or 1),
+               fontsize=8, frameon=False)
     fig.tight_layout()
-    fig.savefig(path, dpi=120)
+    fig.savefig(path, dpi=110, bbox_inches="tight")
     plt.close(fig)
 
 
@@ -308,11 +430,17 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                         default="float32")
     parser.add_argument("--sets", help=f"comma-separated, from {', '.join(SETS)}")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "results"))
-    parser.add_argument("--rounds", type=int, help="timed rounds per contender")
-    parser.add_argument("--no-compiled", "--no-compiled-reference", action="store_true",
-                        dest="no_compiled",
-                        help="leave out the torch.compile'd contenders (compiling takes minutes)")
+    parser.add_argument("--out", default=OUT, help="where the table, JSON and figure go "
+                        "(default benchmarks/out/, which git ignores; the tables kept in the "
+                        "tree are in benchmarks/results/)")
+    parser.add_argument("--rounds", type=int, help="timed rounds per contender (default: 9 on "
+                        "a CPU, 15 on a GPU, 3 with --quick)")
+    parser.add_argument("--compiled", action="store_true",
+                        help="add the torch.compile'd contenders (the reference and PNM/AdaPNM "
+                             "in foreach ops compiled, torch's optimizers compiled) on sets of "
+                             "at most 200 tensors: compiling them takes minutes on a CPU")
+    parser.add_argument("--no-compiled", "--no-compiled-reference", action="store_false",
+                        dest="compiled", help=argparse.SUPPRESS)  # the default now; kept for old commands
     parser.add_argument("--triton-configs", metavar="TUNE_JSON",
                         help="run the Triton backend with the best launch configurations of a "
                              "benchmarks/experiments/tune_triton.py run instead of the built-in table")
@@ -329,10 +457,11 @@ def main(argv=None):
     for n in names:
         if n not in SETS:
             parser.error(f"unknown set {n!r}; choose from {', '.join(SETS)}")
-    rounds = args.rounds or (3 if args.quick else 15)
+    rounds = args.rounds or (3 if args.quick else DEFAULT_ROUNDS[device])
     # On a GPU a round is timed with events, so more steps cost little and steady the small sets.
     steps_per_round = 2 if args.quick else (10 if device == "cuda" else 3)
     info = machine_info(device, args)
+    info["dtype"] = args.dtype
     if args.triton_configs:
         from pnm_kernels.backends.triton_kernels import set_launch_config
         configs = load_triton_configs(args.triton_configs)
@@ -349,34 +478,43 @@ def main(argv=None):
         set_launch_limits(chunk_size=args.fused_chunk)
         info["fused_chunk"] = args.fused_chunk
         info["fused_chunk_shipped"] = f"{cuda_chunk_size(dtype)} for {args.dtype}"
-    copy_gbps = copy_bandwidth(device, (16 << 20) if args.quick else (64 << 20) if device == "cpu"
-                               else (256 << 20))
+    copy_numel = (16 << 20) if args.quick else (64 << 20) if device == "cpu" else (256 << 20)
+    copy_probe = CopyProbe(device, copy_numel)
+    info["copy_mib"] = copy_numel * 4 >> 20
     progress = Progress(rounds * len(names))
     results = []
     # The compiled reference's graph breaks and recompile limit are expected (see the table's
-    # note), not news: dynamo's warnings about them would fill the screen.
-    dynamo_log = logging.getLogger("torch._dynamo")
-    dynamo_level = dynamo_log.level
-    dynamo_log.setLevel(logging.ERROR)
+    # note), not news: dynamo's warnings about them would fill the screen. Nor is inductor's
+    # "No CUDA runtime is found" on a machine without a GPU, which made a compile look stuck.
+    quiet = [logging.getLogger("torch._dynamo")] + (
+        [logging.getLogger("torch.utils.cpp_extension")] if device == "cpu" else [])
+    levels = [log.level for log in quiet]
+    for log in quiet:
+        log.setLevel(logging.ERROR)
     try:
         for name in names:
             results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round,
-                                 progress, skip_compiled=args.quick or args.no_compiled)
+                                 progress, skip_compiled=not args.compiled, copy_probe=copy_probe)
     finally:
-        dynamo_log.setLevel(dynamo_level)
+        for log, level in zip(quiet, levels):
+            log.setLevel(level)
+        del copy_probe
         if args.triton_configs:
             set_launch_config(None)
         if args.fused_chunk:
             set_launch_limits()
-    table = write_table(results, copy_gbps, info)
+    copies = list(copy_summary(results).values())
+    copy_gbps = statistics.median(copies) if copies else None
+    table = write_table(results, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)
     tag = f"{device}-{args.dtype}{'-quick' if args.quick else ''}"
     with open(os.path.join(args.out, f"bench_step-{tag}.json"), "w") as f:
-        json.dump(dict(machine=info, copy_gbps=copy_gbps, dtype=args.dtype, results=results), f, indent=1)
+        json.dump(dict(machine=info, copy_gbps=copy_gbps, copy_gbps_per_set=copy_summary(results),
+                       dtype=args.dtype, results=results), f, indent=1)
     with open(os.path.join(args.out, f"bench_step-{tag}.md"), "w") as f:
         f.write(table + "\n")
-    plot(results, copy_gbps, info, os.path.join(args.out, f"bench_step-{tag}.png"))
+    plot(results, info, os.path.join(args.out, f"bench_step-{tag}.png"))
     print(f"\nwrote {args.out}/bench_step-{tag}.{{json,md,png}}")
 
 

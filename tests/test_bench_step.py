@@ -4,6 +4,7 @@ import json
 import logging
 import os
 import shutil
+import subprocess
 import sys
 
 import pytest
@@ -31,9 +32,61 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     for r in record["results"]:
         if "error" not in r:
             assert r["ms"] > 0 and r["gbps"] > 0 and r["numel"] == 1 << 20
+    assert not [label for label in labels if "torch.compile" in label]  # opt-in: --compiled
     png = (tmp_path / "bench_step-cpu-float32-quick.png").read_bytes()
     assert png[:8] == b"\x89PNG\r\n\x1a\n"
     assert "| set | optimizer |" in capsys.readouterr().out
+
+
+def test_the_copy_bandwidth_is_timed_in_every_round_and_kept_per_set(tmp_path):
+    """The % of copy bandwidth divides by a copy timed beside the contenders in each round
+    (the median of the set's rounds), not by one copy timed before the run."""
+    bench_step.main(["--quick", "--device", "cpu", "--sets", "flat1M,small2000", "--rounds", "3",
+                     "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "bench_step-cpu-float32-quick.json").read_text())
+    assert set(record["copy_gbps_per_set"]) == {"flat1M", "small2000"}
+    for r in record["results"]:
+        if "error" not in r:
+            assert r["copy_samples"] == 3
+            assert r["copy_gbps"] == record["copy_gbps_per_set"][r["set"]] > 0
+    md = (tmp_path / "bench_step-cpu-float32-quick.md").read_text()
+    assert "timed in every round, median per set" in md.splitlines()[0]
+
+
+def test_the_default_output_folder_is_ignored_by_git(tmp_path):
+    """The main job writes to benchmarks/out/: the tree stays clean after it (the tables kept in
+    the tree, benchmarks/results/, change only when asked with --out)."""
+    if shutil.which("git") is None or not os.path.exists(os.path.join(BENCHMARKS, "..", ".git")):
+        pytest.skip("not a git checkout")
+    assert os.path.samefile(os.path.dirname(bench_step.OUT), BENCHMARKS)
+    done = subprocess.run(["git", "check-ignore", "-q", os.path.join(bench_step.OUT,
+                                                                      "bench_step-cpu-float32.png")],
+                          cwd=BENCHMARKS)
+    assert done.returncode == 0
+
+
+def test_the_figure_gives_every_contender_a_style_and_draws_a_gpu_record(tmp_path):
+    """Each contender's ratio to torch's fused step of its family, in two panels; every label
+    the benchmark can produce maps to a style and a legend entry."""
+    kinds = {k for k, _, _, _ in bench_step.KINDS}
+    labels = [label for label, _, _ in bench_step.contenders("cuda", torch.float32)]
+    labels += ["PNM[triton]", "AdaPNM[triton]", "pytorch_optimizer.PNM", "torch.AdamW-amsgrad[fused]",
+               "torch.AdamW-amsgrad[foreach]", "PNM[reference+torch.compile]",
+               "AdaPNM[user foreach+torch.compile]", "torch.Adam-amsgrad[foreach+torch.compile]"]
+    peers = set(bench_step.PEERS.values())
+    assert {bench_step.kind_of(label) for label in labels if label not in peers} <= kinds
+    results = []
+    for name, numel in (("tiny2000", 32000), ("flat64M", 1 << 26)):
+        for i, label in enumerate(labels):
+            family = label.split("[")[0].removeprefix("torch.").removeprefix("pytorch_optimizer.")
+            family = {"AdamW-amsgrad": "Adam-amsgrad"}.get(family, family)
+            results.append(dict(set=name, label=label, family=family, numel=numel, tensors=2000,
+                                ms=1.0, gbps=1.0, time_vs_torch_fused=0.2 + 0.3 * i))
+    info = dict(device="cuda", gpu="Some GPU", cpu="x", threads=8, dtype="bfloat16",
+                torch="2.14.1", triton="3.8.0", pnm_kernels="0.1.0", date="2026-11-27T06:00:00")
+    bench_step.plot(results, info, tmp_path / "f.png")
+    assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
+    assert bench_step.count(1 << 30) == "1.07B" and bench_step.count(32000) == "32K"
 
 
 def test_ratios_to_torch_are_paired_round_by_round():
@@ -70,13 +123,13 @@ def test_the_compiled_peer_steps_like_the_reference_in_one_graph(name):
             torch.testing.assert_close(buffer, ref.state[r][key], msg=key)
 
 
-def test_a_full_run_times_every_compiled_contender(tmp_path):
-    """Outside --quick the main job compiles: the compiled reference, the compiled foreach
-    peer and torch's compiled optimizers each give a time, none an error row; dynamo's
-    warnings, silenced while it runs, are back after."""
+def test_a_full_run_times_every_compiled_contender(tmp_path, capsys):
+    """With --compiled: the compiled reference, the compiled foreach peer and torch's compiled
+    optimizers each give a time, none an error row, and the progress line names each compile
+    while it runs; dynamo's warnings, silenced while it runs, are back after."""
     dynamo_level = logging.getLogger("torch._dynamo").level
-    bench_step.main(["--device", "cpu", "--sets", "flat1M", "--rounds", "1", "--out",
-                     str(tmp_path)])
+    bench_step.main(["--device", "cpu", "--sets", "flat1M", "--rounds", "1", "--compiled",
+                     "--out", str(tmp_path)])
     record = json.loads((tmp_path / "bench_step-cpu-float32.json").read_text())
     compiled = {r["label"]: r for r in record["results"] if "torch.compile" in r["label"]}
     assert set(compiled) == {f"{family}[{how}+torch.compile]" for family, how in [
@@ -86,6 +139,9 @@ def test_a_full_run_times_every_compiled_contender(tmp_path):
     assert all("error" not in r and r["ms"] > 0 for r in compiled.values()), compiled
     assert "[user foreach+torch.compile]:" in (tmp_path / "bench_step-cpu-float32.md").read_text()
     assert logging.getLogger("torch._dynamo").level == dynamo_level  # its warnings are back
+    progress = capsys.readouterr().err
+    for label in compiled:
+        assert f"flat1M: compiling {label}"[:bench_step.Progress.WIDTH] in progress
 
 
 @requires_extension
