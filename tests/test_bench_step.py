@@ -217,7 +217,7 @@ def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_be
     pytest.importorskip("triton")
     import bench_step
     import tune_triton
-    from pnm_kernels import triton_kernels
+    from pnm_kernels.backends import triton_kernels
 
     out = tmp_path / "tune.json"
     tune_triton.main(["--numels", "3000,2000", "--repeats", "1", "--steps", "1",
@@ -274,7 +274,7 @@ def test_triton_host_script_times_the_step_without_launching(capsys):
     if extension_error() is not None:
         pytest.skip("pnm_kernels._C is not built")
     import triton_host
-    from pnm_kernels import triton_kernels
+    from pnm_kernels.backends import triton_kernels
     kernel = triton_kernels._step_kernel
     triton_host.main(["--tensors", "3", "--steps", "2"])
     rows = [line for line in capsys.readouterr().out.splitlines() if line.startswith("| 3 |")]
