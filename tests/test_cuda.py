@@ -153,7 +153,8 @@ def test_a_blocks_done_counter_on_another_device_raises():
     p = [torch.zeros(4, device="cuda")]
     with pytest.raises(RuntimeError, match="blocks_done is on cpu but params are on cuda:0"):
         torch.ops.pnm_kernels.pnm_step_(p, [torch.zeros(4, device="cuda")], [torch.zeros(4, device="cuda")],
-                                        [torch.zeros(4, device="cuda")], [torch.zeros((), dtype=torch.float64, device="cuda")],
+                                        [torch.zeros(4, device="cuda")],
+                                        [torch.zeros((), dtype=torch.float64, device="cuda")],
                                         lr=0.1, beta1=0.9, beta0=1.0, weight_decay=0.0, decoupled=True,
                                         maximize=False, blocks_done=torch.zeros(1, dtype=torch.int32))
 
@@ -167,7 +168,8 @@ def test_a_float64_lr_on_the_gpu_or_the_cpu_is_read_in_full(dtype):
         z = lambda: [torch.zeros(5, dtype=dtype, device="cuda")]  # noqa: E731
         p = [torch.ones(5, dtype=dtype, device="cuda")]
         torch.ops.pnm_kernels.pnm_step_(p, [torch.ones(5, dtype=dtype, device="cuda")], z(), z(),
-                                        [torch.zeros((), dtype=torch.float64, device="cuda")], beta1=0.9, beta0=1.0,
+                                        [torch.zeros((), dtype=torch.float64, device="cuda")],
+                                        beta1=0.9, beta0=1.0,
                                         weight_decay=0.0, decoupled=True, maximize=False, **kw)
         return p[0]
 

@@ -4,6 +4,7 @@ from typing import Optional
 
 import torch
 
+from .._ops import extension_error
 from . import fused, triton
 from .base import Backend, capturing
 from .foreach import ForeachBackend
@@ -78,8 +79,6 @@ def check_capturable(backend: str, device: torch.device) -> None:
 def native_grad_check() -> Optional[object]:
     """The C++ check of a batch's gradients (index of the first that is not a dense tensor of
     its parameter's shape, dtype and device, else -1); None without the extension."""
-    from .._ops import extension_error
-
     if extension_error() is not None:
         return None
     return torch.ops.pnm_kernels._first_mismatched_grad
