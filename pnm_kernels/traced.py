@@ -34,9 +34,7 @@ def step(optimizer, scaling: Scaling) -> None:
                 # value would be specialised on too.)
                 lr = torch.ones((), dtype=lr_dtype_for(params[start].dtype),
                                 device=device) * hyper.lr
-                batch_hyper = Hyper(lr, hyper.beta1, hyper.beta0, hyper.weight_decay,
-                                    hyper.decoupled, hyper.maximize, hyper.adaptive,
-                                    hyper.beta2, hyper.eps, hyper.amsgrad)
+                batch_hyper = hyper.with_lr(lr)
             batch, writebacks = kernel_batch(
                 params[start:end], grads[start:end], [b[start:end] for b in buffers],
                 steps[start:end], BACKENDS[backend].flat, copies)
