@@ -20,10 +20,6 @@ from .backends.layout import is_dense, same_dense_layout
 _changes = 0
 
 
-def changes() -> int:
-    return _changes
-
-
 def _counted(change):
     def counted(self, *args, **kwargs):
         global _changes

@@ -56,8 +56,6 @@ class Scaling:
                          for t in (self.grad_scale, self.found_inf)))
 
 
-NO_SCALING = Scaling()
-
 # A repeated step prepared and ready to run: returns False when it declined, having done
 # nothing (a gradient missing or laid out unlike its parameter).
 Launch = Callable[[Scaling], bool]
