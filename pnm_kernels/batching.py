@@ -42,7 +42,7 @@ class BatchCache:
         group, backend, params = item.group, item.backend, item.params
         cached = self.lookup(optimizer, group, backend, names, item.ids)
         grads = item.grads
-        if cached is not None and cached.held.shards:  # its params are all DTensors
+        if cached is not None and cached.held is not None and cached.held.shards:  # its params are all DTensors
             if all(map(operator.is_, map(shard_of, params), cached.params)):
                 grads = list(map(shard_of if item.layout_ok else local, grads))
             else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)

@@ -4,7 +4,7 @@ nothing. Running a plan hands each batch to its backend."""
 import itertools
 import operator
 from dataclasses import dataclass
-from typing import Optional
+from typing import Any, Optional, Sequence
 
 import torch
 
@@ -83,14 +83,14 @@ class Planner:
         One check is deferred: when the whole step is one cached batch for the fused
         kernels, their own argument checks, which run before anything is touched, stand in
         for it, and the step looks closer if they refuse (see refusal_explained)."""
-        found = []  # (gi, group, key, grouping, from the cache?, grads, indices)
+        found: list[Any] = []  # (gi, group, key, grouping, from the cache?, grads, indices)
         regrouped = False
         for gi, group in enumerate(optimizer.param_groups):
             self.hyper(group, gi)
             params = group["params"]
             grads = [p.grad for p in params]
             if all(map(operator.is_not, grads, itertools.repeat(None))):  # the common case
-                indices = range(len(params))
+                indices: Sequence[int] = range(len(params))
                 ids = tuple(map(id, params))
             else:
                 indices = [i for i, g in enumerate(grads) if g is not None]
@@ -114,7 +114,8 @@ class Planner:
                             and backend == "fused")
                 if deferred and cache.lookup(optimizer, group, backend,
                                              self.buffer_names(names, group), key[2]):
-                    plan.append(PlanItem(group, backend, *_pick(params, grads, idx), key[2],
+                    batch_params, batch_grads = _pick(params, grads, idx)
+                    plan.append(PlanItem(group, backend, batch_params, batch_grads, key[2],
                                          layout_ok=True, origin=(gi, grouping, grads)))
                     continue
                 layouts = check_grads(grouping.batches, params, grads, gi)

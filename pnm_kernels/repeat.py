@@ -64,7 +64,7 @@ class RepeatedStep:
             group_names = planner.buffer_names(names, group)
             every_param_stepped = sum(len(item.params) for item, _ in mine) == len(group["params"])
             kinds = {(item.params[0].device, item.params[0].dtype) for item, _ in mine}
-            held_batches = []
+            held_batches: list[HeldBatch] = []
             for item, batch in mine:
                 if (not BACKENDS[item.backend].holds_lists or batch.held is None
                         or batch.held.shards):

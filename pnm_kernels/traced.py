@@ -17,7 +17,8 @@ from .plan import group_batches
 
 def step(optimizer, scaling: Scaling) -> None:
     for group in optimizer.param_groups:
-        params, grads, buffer0, buffer1, buffer2, buffer3, steps = [], [], [], [], [], [], []
+        lists: list[list[torch.Tensor]] = [[] for _ in range(7)]
+        params, grads, buffer0, buffer1, buffer2, buffer3, steps = lists
         batches = optimizer._init_group(group, params, grads, buffer0, buffer1, buffer2,
                                         buffer3, steps)
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group

@@ -7,7 +7,7 @@ batch's lists in C++ between steps (fused, Triton) can also repeat a step from t
 reading each parameter's gradient there (see pnm_kernels/repeat.py)."""
 import os
 from dataclasses import dataclass, field
-from typing import Callable, Optional, Protocol
+from typing import Any, Callable, Optional, Protocol
 
 import torch
 
@@ -28,7 +28,7 @@ class HeldLists:
     """What a backend derives once from a cached batch's lists (parameters, buffers and
     counters stay the same from step to step) and keeps until the batch is dropped."""
     shards: bool = False  # the parameters are DTensors; the lists hold their local shards
-    step_lists: Optional[object] = None  # the C++ copy of the lists (pnm_kernels._C StepLists)
+    step_lists: Any = None  # the C++ copy of the lists (pnm_kernels._C StepLists)
     triton_tables: list = field(default_factory=list)  # [(key, pointers, device tables)]
     triton_blocks_done: Optional[torch.Tensor] = None  # the Triton launch's ticket counter
 
@@ -140,6 +140,8 @@ def held_lists_ok(batch: Batch) -> bool:
     if lists is not None:
         return lists.held_lists_ok()
     # Without the extension (a Triton-only install), the same check in Python.
-    device = batch.params[0].device if batch.params else None
+    if not batch.params:
+        return True
+    device = batch.params[0].device
     return (all(fits(b, p) for buffers in batch.buffers for p, b in zip(batch.params, buffers))
             and all(counter_fits(s, device) for s in batch.steps))

@@ -2,7 +2,7 @@
 bias corrections are read on the host; under torch.compile the same maths is traced without
 host reads (see _traced_step)."""
 import math
-from typing import Optional
+from typing import Optional, Union
 
 import torch
 
@@ -31,7 +31,7 @@ class ForeachBackend:
         if params[0].device.type == "meta":  # no values to compute: only the counters advance
             return
         steps = [int(s) for s in torch.stack(batch.steps).tolist()]
-        grads = batch.grads
+        grads: Union[list[torch.Tensor], tuple[torch.Tensor, ...]] = batch.grads
         if scaling.grad_scale is not None:
             grads = torch._foreach_div(grads, scaling.grad_scale)
         if hyper.maximize:

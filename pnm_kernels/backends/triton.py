@@ -128,7 +128,7 @@ class TritonBackend:
         config = launch_config(device, dtype, hyper.adaptive)
         chunk = config.block * config.iters
         held = None if torch.compiler.is_compiling() else step_lists(batch)
-        if held is not None:
+        if held is not None and batch.held is not None:
             tables = _held_tables(held.pointers(lists[1], needed), len(params), device, chunk,
                                   batch.held)
         else:
