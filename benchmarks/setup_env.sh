@@ -39,6 +39,18 @@ print(h.hexdigest())
 EOF
 }
 
+# The CUDA kernels serve only a machine with a GPU; nvcc compiling them for two architectures
+# is most of the build (tests/test_cuda_ptx.py still compiles them for sm_90 where nvcc is).
+# PNM_KERNELS_NO_CUDA=0 builds them anyway. Decided before the stamp is compared (the
+# fingerprint includes the switch) and again once torch is installed.
+cuda_switch() {
+  if [ -z "${PNM_KERNELS_NO_CUDA:-}" ] && \
+     [ "$(python -c 'import torch; print(torch.cuda.device_count())' 2>/dev/null)" = 0 ]; then
+    export PNM_KERNELS_NO_CUDA=1
+  fi
+}
+cuda_switch
+
 if [ "${SETUP_ENV_FORCE:-0}" != 1 ] && [ -f "$STAMP" ]; then
   now="$(fingerprint)"
   if [ -n "$now" ] && [ "$now" = "$(cat "$STAMP")" ]; then
@@ -54,6 +66,9 @@ if ! python -c "import torch" 2>/dev/null; then
   echo "setup_env.sh: installing torch 2.14.1 (a CUDA 13.0 build with triton: a download of some GB)"
   python -m pip install -q torch==2.14.1
 fi
+cuda_switch
+[ "${PNM_KERNELS_NO_CUDA:-}" = 1 ] && \
+  echo "setup_env.sh: no GPU visible: building without the CUDA kernels (PNM_KERNELS_NO_CUDA=0 builds them)"
 echo "setup_env.sh: installing the test and benchmark dependencies"
 python -m pip install -q ninja pybind11 pytest pytest-benchmark numpy matplotlib scikit-learn
 # --no-build-isolation: build against the torch installed above, not a downloaded one
