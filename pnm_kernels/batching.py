@@ -9,7 +9,10 @@ from typing import Optional
 from .backends import BACKENDS
 from .backends.base import Batch, HeldLists, held_lists_ok
 from .backends.layout import dense_like
-from .params import describe, holdable, kernel_batch, local, shard_holdable, shard_of
+import torch
+
+from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
+                     shard_of)
 from .state import BufferShapeError, ParamState, StateWatch, ensure_state
 
 _MAX_ENTRIES = 64
@@ -83,13 +86,22 @@ class BatchCache:
         batch, writebacks = kernel_batch(params, [p.grad for p in params],
                                          [[state[name] for state in states] for name in names],
                                          [state["step"] for state in states], flat)
+        if group["state_dtype"] == torch.bfloat16:
+            batch.seeds = [state["seed"] for state in states]
+            batch.offsets = [element_offset(p) for p in params]
         return batch, writebacks, all(type(state) is ParamState for state in states)
 
     def state_for(self, optimizer, p, names, group) -> dict:
         """p's state with these buffers: made where missing, converted where p (or a buffer,
-        or its counter) was given new data since. Another shape is an error."""
+        or its counter) was given new data since, or the group's state_dtype changed.
+        Another shape is an error."""
+        state_dtype = group["state_dtype"]
+        seed = None
+        if state_dtype == torch.bfloat16:
+            seed = lambda: parameter_index(optimizer, p)  # noqa: E731  (where it has none)
         try:
-            state, replaced = ensure_state(optimizer.state, p, names)
+            state, replaced = ensure_state(optimizer.state, p, names,
+                                           None if p.is_complex() else state_dtype, seed)
         except BufferShapeError as e:
             name, buffer = e.args
             gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
@@ -102,6 +114,15 @@ class BatchCache:
         if replaced:
             self.drop()
         return state
+
+
+def parameter_index(optimizer, p) -> int:
+    """p's place among all the optimizer's parameters, in param_groups order: the seed of
+    its random bits when its state is made (the same on every rank of a sharded model)."""
+    for i, q in enumerate(q for group in optimizer.param_groups for q in group["params"]):
+        if q is p:
+            return i
+    raise KeyError("not a parameter of this optimizer")
 
 
 def writeback(writebacks) -> None:

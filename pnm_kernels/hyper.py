@@ -3,15 +3,17 @@ Python and Triton step derives from them, computed in one place (docs/design.md 
 import math
 import numbers
 from dataclasses import dataclass, replace
-from typing import Union
+from typing import Optional, Union
 
 import torch
 
-from .reference import noise_norm
+from .reference import compressed_state, noise_norm
 
 BACKEND_NAMES = ("auto", "fused", "triton", "foreach", "reference")
 # The group keys that decide a step (a group's other keys are the user's own, carried along).
-PNM_KEYS = ("lr", "betas", "weight_decay", "decoupled", "maximize", "backend")
+PNM_KEYS = ("lr", "betas", "weight_decay", "decoupled", "maximize", "backend", "state_dtype")
+# What state_dtype may be (docs/design.md §7): None keeps the parameter's dtype.
+STATE_DTYPES = (None, torch.float32, torch.bfloat16)
 ADAPNM_KEYS = PNM_KEYS + ("eps", "amsgrad")
 
 
@@ -60,6 +62,11 @@ def validate_group(group: dict, adaptive: bool, where: str) -> None:
     for flag in flags:
         if not isinstance(group[flag], bool):
             raise ValueError(f"{where}: {flag} must be a bool, got {group[flag]!r}")
+    state_dtype = group["state_dtype"]
+    if not (state_dtype is None or (isinstance(state_dtype, torch.dtype)
+                                    and state_dtype in STATE_DTYPES)):
+        raise ValueError(f"{where}: state_dtype must be one of {STATE_DTYPES}, "
+                         f"got {group['state_dtype']!r}")
     if group["backend"] not in BACKEND_NAMES:
         raise ValueError(f"{where}: backend must be one of {BACKEND_NAMES}, "
                          f"got {group['backend']!r}")
@@ -97,6 +104,7 @@ class Hyper:
     beta2: float = 0.0
     eps: float = 0.0
     amsgrad: bool = False
+    state_dtype: Optional[torch.dtype] = None
 
     @staticmethod
     def from_group(group: dict, adaptive: bool) -> "Hyper":
@@ -108,10 +116,18 @@ class Hyper:
                          amsgrad=group["amsgrad"])
         return Hyper(lr=plain_lr(group["lr"]), beta1=float(betas[0]), beta0=float(betas[-1]),
                      weight_decay=float(group["weight_decay"]), decoupled=group["decoupled"],
-                     maximize=group["maximize"], adaptive=adaptive, **extra)
+                     maximize=group["maximize"], adaptive=adaptive,
+                     state_dtype=group["state_dtype"], **extra)
 
     def with_lr(self, lr: Lr) -> "Hyper":
         return replace(self, lr=plain_lr(lr))
+
+    def buffer_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
+        """The dtype of the state buffers of a parameter of this dtype (real view's)."""
+        return param_dtype if self.state_dtype is None else self.state_dtype
+
+    def compressed(self, param_dtype: torch.dtype) -> bool:
+        return compressed_state(self.state_dtype, param_dtype)
 
     @property
     def num_buffers(self) -> int:
@@ -153,6 +169,20 @@ def coefficients(h: Hyper) -> Coefficients:
         grad_sign=-1.0 if h.maximize else 1.0)
 
 
+def check_state_dtype(state_dtype, param: torch.Tensor) -> None:
+    """Raises ValueError when a parameter cannot keep its state in state_dtype (the caller
+    names the parameter): float64 parameters keep float64 state, and complex parameters
+    their own dtype (there is no complex bfloat16)."""
+    if state_dtype is None or state_dtype == param.dtype:
+        return
+    if param.is_complex():
+        raise ValueError(f"state_dtype={state_dtype} is not supported for complex parameters "
+                         "(their state keeps their dtype: state_dtype=None)")
+    if param.dtype == torch.float64:
+        raise ValueError(f"state_dtype={state_dtype} is not supported for float64 parameters "
+                         "(their state stays float64: state_dtype=None)")
+
+
 def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
     """The dtype an lr tensor enters a kernel in: float64 for float64 parameters (the fused
     ops read it in full), else float32."""
@@ -161,4 +191,5 @@ def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
 
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
            "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
-           "lr_dtype_for"]
+           "lr_dtype_for", "STATE_DTYPES", "check_state_dtype",
+           "compressed_state"]

@@ -54,12 +54,27 @@ class _PositiveNegativeMomentum(Optimizer):
         for gi, group in enumerate(state_dict.get("param_groups", [])):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
+        saved = _saved_tensors(state_dict, self.param_groups)
+        # state_dtype says how this optimizer stores its state, not how the run stepped: a
+        # checkpoint's state converts to it (docs/design.md §7), as its tensors move to the
+        # parameters' device.
+        state_dtypes = [group["state_dtype"] for group in self.param_groups]
         super().load_state_dict(state_dict)  # its state made counted by __setstate__
+        for group, state_dtype in zip(self.param_groups, state_dtypes):
+            group["state_dtype"] = state_dtype
         self._batches.drop()
-        for group in self.param_groups:  # step counters as the backends take them
+        for group in self.param_groups:
             for p in group["params"]:
                 state = self.state.get(p)
-                if state and "step" in state:
+                if not state:
+                    continue
+                # torch casts every floating state tensor to its parameter's dtype: float32
+                # state beside bfloat16 parameters would lose its digits, a seed its value.
+                # Each keeps its own dtype; the step converts it to the group's state_dtype.
+                for key, value in saved.get(p, {}).items():
+                    if key in state and torch.is_tensor(state[key]) and state[key].dtype != value.dtype:
+                        put(state, key, value.to(device=state[key].device, copy=True))
+                if "step" in state:  # step counters as the backends take them
                     put(state, "step", as_step(state["step"], p))
 
     def add_param_group(self, param_group: dict) -> None:
@@ -121,11 +136,22 @@ class _PositiveNegativeMomentum(Optimizer):
     # parameter, unguarded (every group got the first one's state). torch's own way of
     # disabling dynamo, imported when first called.
     @torch._disable_dynamo
-    def _init_group(self, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps):
+    def _init_group(self, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
+                    seeds):
         """For torch.compile, which runs this untraced as it runs torch's optimizers' own
         (see traced.init_group)."""
         return traced.init_group(self, group, params, grads, buffer0, buffer1, buffer2,
-                                 buffer3, steps)
+                                 buffer3, steps, seeds)
+
+
+def _saved_tensors(state_dict: dict, param_groups) -> dict:
+    """{parameter: {key: tensor}} of a state_dict's state, by torch's mapping of saved ids
+    to parameters (their order in param_groups)."""
+    ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
+    params = [p for group in param_groups for p in group["params"]]
+    state = state_dict.get("state", {})
+    return {p: {k: v for k, v in state[i].items() if torch.is_tensor(v)}
+            for i, p in zip(ids, params) if i in state}
 
 
 class PNM(_PositiveNegativeMomentum):
@@ -152,6 +178,9 @@ class PNM(_PositiveNegativeMomentum):
         maximize: maximize the objective instead of minimizing it.
         backend: "auto" (the fastest available), "fused" (compiled CPU/CUDA kernels),
             "triton", "foreach" or "reference" (pnm_kernels/reference.py, the ground truth).
+        state_dtype: the dtype of the momentum buffers: None (the parameter's), torch.float32,
+            or torch.bfloat16 (half the memory; written with stochastic rounding, so the
+            averages do not stall; docs/design.md §7). The arithmetic is float32 either way.
 
     Example::
 
@@ -167,9 +196,10 @@ class PNM(_PositiveNegativeMomentum):
 
     def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 1.0), weight_decay: float = 0.0,
-                 decoupled: bool = True, maximize: bool = False, backend: str = "auto") -> None:
+                 decoupled: bool = True, maximize: bool = False, backend: str = "auto",
+                 state_dtype: torch.dtype | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, decoupled=decoupled,
-                        maximize=maximize, backend=backend)
+                        maximize=maximize, backend=backend, state_dtype=state_dtype)
         super().__init__(params, defaults)
 
 
@@ -200,6 +230,9 @@ class AdaPNM(_PositiveNegativeMomentum):
         maximize: maximize the objective instead of minimizing it.
         backend: "auto" (the fastest available), "fused" (compiled CPU/CUDA kernels),
             "triton", "foreach" or "reference" (pnm_kernels/reference.py, the ground truth).
+        state_dtype: the dtype of all four buffers: None (the parameter's), torch.float32,
+            or torch.bfloat16 (half the memory; written with stochastic rounding;
+            docs/design.md §7). The arithmetic is float32 either way.
 
     Example::
 
@@ -218,7 +251,9 @@ class AdaPNM(_PositiveNegativeMomentum):
     def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float, float] = (0.9, 0.999, 1.0), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = True, decoupled: bool = True,
-                 maximize: bool = False, backend: str = "auto") -> None:
+                 maximize: bool = False, backend: str = "auto",
+                 state_dtype: torch.dtype | None = None) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
-                        decoupled=decoupled, maximize=maximize, backend=backend)
+                        decoupled=decoupled, maximize=maximize, backend=backend,
+                        state_dtype=state_dtype)
         super().__init__(params, defaults)

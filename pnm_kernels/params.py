@@ -69,6 +69,22 @@ def shard_holdable(p) -> bool:
 
 
 shard_of = operator.attrgetter("_local_tensor")  # a DTensor's (see local)
+
+
+def element_offset(p) -> int:
+    """The elements of the whole parameter before its local shard, in row-major order: 0 for
+    a plain tensor. With it, the index of a shard's element (which picks its random bits)
+    is that element's in the whole parameter, for FSDP2's dim-0 shards (uneven ones too)."""
+    shard = local(p)
+    if shard is p or shard.numel() == 0:
+        return 0
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+    _, start = compute_local_shape_and_global_offset(p.shape, p.device_mesh, p.placements)
+    offset, stride = 0, 1
+    for size, first in reversed(list(zip(p.shape, start))):
+        offset += first * stride
+        stride *= size
+    return offset
 _shape_of = operator.attrgetter("shape")
 
 

@@ -11,7 +11,8 @@ import torch
 from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok
 from .batching import BatchCache, writeback
-from .hyper import Hyper, signature, validate_group, validate_lr
+from .hyper import (Hyper, check_state_dtype, compressed_state, signature, validate_group,
+                    validate_lr)
 from .params import check_param, check_unique, describe, shards_match
 from .state import is_plain
 
@@ -146,7 +147,9 @@ def group_batches(group, gi, indices):
         if key not in batches:
             real = p.real.dtype if p.is_complex() else p.dtype
             try:
-                backend = resolve_backend(group["backend"], p.device, real)
+                check_state_dtype(group["state_dtype"], p)
+                backend = resolve_backend(group["backend"], p.device, real,
+                                          compressed_state(group["state_dtype"], p.dtype))
             except (RuntimeError, ValueError) as e:
                 raise type(e)(f"{describe(p, gi, pi)}: {e}") from None
             batches[key] = (backend, [], [True])

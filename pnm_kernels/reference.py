@@ -4,10 +4,17 @@ correct.
 This is the ground truth every faster backend is compared with. It follows the authors' code
 operation by operation, with docs/design.md's two deliberate differences: L2 weight decay never
 writes into ``p.grad`` and ``maximize`` exists. Complex parameters are passed in as real views.
+
+Compressed state (``state_dtype``, docs/design.md §7): the step runs in float32 on float32
+copies of the parameter, gradient and buffers, exactly as with float32 state; then each
+buffer is written back in its dtype (bfloat16 with stochastic rounding, bits from
+pnm_kernels/rounding.py) and the parameter in its own (round to nearest).
 """
 import math
 
 import torch
+
+from .rounding import SLOTS, store_stochastic
 
 
 def noise_norm(beta0: float) -> float:
@@ -43,10 +50,47 @@ def _pn_momentum(m, m_other, beta0):
     return m.mul(1 + beta0).add_(m_other, alpha=-beta0).mul_(1 / noise_norm(beta0))
 
 
+def _in_float32(step, param, grad, state, names, offset, **hyper):
+    """One step with the state in its own dtype (bfloat16, or float32 beside 16-bit
+    parameters): computed in float32, then written back (see the module's docstring)."""
+    work = {key: (value.float() if key in names else value) for key, value in state.items()}
+    param32 = param.float()  # param itself where it is float32
+    step(param32, grad.float(), work, **hyper)
+    t = int(state["step"].item())  # advanced through work, which holds the same counter
+    for name in names:
+        if state[name].dtype == torch.bfloat16:
+            store_stochastic(state[name], work[name], seed=int(state["seed"].item()), step=t,
+                             slot=SLOTS[name], offset=offset)
+        elif work[name] is not state[name]:
+            state[name].copy_(work[name])
+    if param32 is not param:
+        param.copy_(param32)
+
+
+def _state_names(state, adaptive):
+    names = ["exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if adaptive else [
+        "pos_momentum", "neg_momentum"]
+    return [name for name in names if name in state]
+
+
+def compressed_state(state_dtype, param_dtype: torch.dtype) -> bool:
+    """Whether a parameter's state is kept in a dtype of its own: bfloat16 (always with
+    stochastic rounding, even beside bfloat16 parameters) or float32 beside 16-bit ones."""
+    return state_dtype is not None and (state_dtype == torch.bfloat16
+                                        or state_dtype != param_dtype)
+
+
 @torch.no_grad()
 def pnm_step(param, grad, state, *, lr, beta1, beta0, weight_decay, decoupled, maximize,
-             grad_scale=None):
-    """One PNM step (paper's Algorithm 2). ``state``: step, pos_momentum, neg_momentum."""
+             grad_scale=None, state_dtype=None, offset=0):
+    """One PNM step (paper's Algorithm 2). ``state``: step, pos_momentum, neg_momentum (and
+    seed, for bfloat16 state). ``offset``: the elements of the whole parameter before this
+    shard (their index picks the random bits)."""
+    if compressed_state(state_dtype, param.dtype):
+        _in_float32(pnm_step, param, grad, state, _state_names(state, False), offset, lr=lr,
+                    beta1=beta1, beta0=beta0, weight_decay=weight_decay, decoupled=decoupled,
+                    maximize=maximize, grad_scale=grad_scale)
+        return
     t = _advance_step(state)
     grad = _decay_and_grad(param, grad, lr, weight_decay, decoupled, maximize, grad_scale)
     m, m_other = _this_and_other(state, t, "pos_momentum", "neg_momentum")
@@ -56,11 +100,21 @@ def pnm_step(param, grad, state, *, lr, beta1, beta0, weight_decay, decoupled, m
 
 @torch.no_grad()
 def adapnm_step(param, grad, state, *, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
-                decoupled, maximize, grad_scale=None):
+                decoupled, maximize, grad_scale=None, state_dtype=None, offset=0):
     """One AdaPNM step (paper's Algorithm 3).
 
-    ``state``: step, exp_avg, neg_exp_avg, exp_avg_sq and, with amsgrad, max_exp_avg_sq.
+    ``state``: step, exp_avg, neg_exp_avg, exp_avg_sq and, with amsgrad, max_exp_avg_sq (and
+    seed, for bfloat16 state). ``offset``: as for pnm_step.
     """
+    if compressed_state(state_dtype, param.dtype):
+        names = _state_names(state, True)
+        if not amsgrad and "max_exp_avg_sq" in names:
+            names.remove("max_exp_avg_sq")
+        _in_float32(adapnm_step, param, grad, state, names, offset, lr=lr, beta1=beta1,
+                    beta2=beta2, beta0=beta0, eps=eps, weight_decay=weight_decay,
+                    amsgrad=amsgrad, decoupled=decoupled, maximize=maximize,
+                    grad_scale=grad_scale)
+        return
     t = _advance_step(state)
     grad = _decay_and_grad(param, grad, lr, weight_decay, decoupled, maximize, grad_scale)
     m, m_other = _this_and_other(state, t, "exp_avg", "neg_exp_avg")

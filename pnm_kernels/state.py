@@ -7,7 +7,7 @@ torch's optimizers, which read it every step, would. The optimizers' own writes 
 not counted: the lists built before stay valid."""
 import sys
 from collections import defaultdict
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -140,10 +140,12 @@ def is_plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
-def buffer_fits(buffer: torch.Tensor, p: torch.Tensor) -> bool:
-    """Whether a state buffer still matches its parameter: dtype, device, shape and the
-    layout zeros_like gives it (which the kernels that walk raw memory rely on)."""
-    if buffer.dtype != p.dtype or buffer.device != p.device or buffer.shape != p.shape:
+def buffer_fits(buffer: torch.Tensor, p: torch.Tensor, dtype: Optional[torch.dtype] = None) -> bool:
+    """Whether a state buffer still matches its parameter: dtype (the parameter's, or the
+    state_dtype asked for), device, shape and the layout zeros_like gives it (which the
+    kernels that walk raw memory rely on)."""
+    if (buffer.dtype != (dtype or p.dtype) or buffer.device != p.device
+            or buffer.shape != p.shape):
         return False
     if not is_plain(p):
         return True
@@ -160,11 +162,24 @@ class BufferShapeError(RuntimeError):
     pass
 
 
-def ensure_state(state: dict, p, names) -> tuple[dict, bool]:
-    """p's state with these buffers and a step counter: made where missing, converted where
-    p was given new data since (as load_state_dict converts state to its parameter). Returns
-    the entry and whether an existing tensor was replaced (lists built before are stale).
-    Raises BufferShapeError(name, buffer) for a buffer of another shape."""
+def as_seed(seed, p) -> torch.Tensor:
+    """A random-bits seed as the backends take it: an int64 tensor on its parameter's device
+    (torch's load_state_dict casts it to the parameter's dtype: exact below 2^24)."""
+    if torch.is_tensor(seed):
+        if seed.dtype == torch.int64 and seed.device == p.device and seed.dim() == 0:
+            return seed
+        seed = int(seed.detach().reshape(()).item())
+    return torch.tensor(int(seed), dtype=torch.int64, device=p.device)
+
+
+def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
+                 seed: Optional[Callable[[], int]] = None) -> tuple[dict, bool]:
+    """p's state with these buffers (of `dtype`, p's own by default) and a step counter: made
+    where missing, converted where p was given new data since (as load_state_dict converts
+    state to its parameter) or the state_dtype changed. With `seed` (bfloat16 state), a seed
+    for the random bits too, `seed()` where there is none. Returns the entry and whether an
+    existing tensor was replaced (lists built before are stale). Raises
+    BufferShapeError(name, buffer) for a buffer of another shape."""
     entry = counted_entry(state, p)
     if entry is None:
         entry = ParamState()
@@ -178,14 +193,22 @@ def ensure_state(state: dict, p, names) -> tuple[dict, bool]:
         if counter is not step:
             put(entry, "step", counter)
             replaced = True
+    if seed is not None:
+        known = entry.get("seed")
+        counter = as_seed(seed() if known is None else known, p)
+        if counter is not known:
+            put(entry, "seed", counter)
+            replaced |= known is not None
+    dtype = dtype or p.dtype
     for name in names:
         buffer = entry.get(name)
         if buffer is None:  # e.g. amsgrad switched on mid-run
-            put(entry, name, torch.zeros_like(p, memory_format=torch.preserve_format))
-        elif not buffer_fits(buffer, p):
+            put(entry, name, torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
+        elif not buffer_fits(buffer, p, dtype):
             if buffer.shape != p.shape:
                 raise BufferShapeError(name, buffer)
-            put(entry, name, torch.empty_like(p).copy_(buffer))
+            # Into another state_dtype: rounded to nearest, once (docs/design.md §7).
+            put(entry, name, torch.empty_like(p, dtype=dtype).copy_(buffer))
             replaced = True
     return entry, replaced
 

@@ -11,20 +11,20 @@ from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import writeback
 from .hyper import Hyper, lr_dtype_for, validate_group
-from .params import check_unique, dense_copies, kernel_batch, kernel_views
+from .params import check_unique, dense_copies, element_offset, kernel_batch, kernel_views
 from .plan import group_batches
 
 
 def step(optimizer, scaling: Scaling) -> None:
     for group in optimizer.param_groups:
-        lists: list[list[torch.Tensor]] = [[] for _ in range(7)]
-        params, grads, buffer0, buffer1, buffer2, buffer3, steps = lists
+        lists: list[list[torch.Tensor]] = [[] for _ in range(8)]
+        params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         batches = optimizer._init_group(group, params, grads, buffer0, buffer1, buffer2,
-                                        buffer3, steps)
+                                        buffer3, steps, seeds)
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
         buffers = [buffer0, buffer1, buffer2, buffer3][:hyper.num_buffers]
         start = 0
-        for backend, count, copies in batches:
+        for backend, count, copies, offsets in batches:
             end = start + count
             device = params[start].device
             batch_hyper = hyper
@@ -39,6 +39,8 @@ def step(optimizer, scaling: Scaling) -> None:
             batch, writebacks = kernel_batch(
                 params[start:end], grads[start:end], [b[start:end] for b in buffers],
                 steps[start:end], BACKENDS[backend].flat, copies)
+            if seeds:
+                batch.seeds, batch.offsets = seeds[start:end], list(offsets)
             BACKENDS[backend].step(batch, batch_hyper, Scaling(
                 *(None if t is None else t.to(device)
                   for t in (scaling.grad_scale, scaling.found_inf))))
@@ -46,11 +48,13 @@ def step(optimizer, scaling: Scaling) -> None:
             start = end
 
 
-def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps):
+def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
+               seeds):
     """Run untraced (see the optimizer's _init_group): validates the group, checks its
     gradients, makes missing state, and fills the lists with the parameters that have a
-    gradient, their gradients, state buffers and step counters, batch after batch. Returns
-    each batch's (backend, number of parameters, each one's dense_copies), decided here from
+    gradient, their gradients, state buffers, step counters and (bfloat16 state) seeds, batch
+    after batch. Returns each batch's (backend, number of parameters, each one's
+    dense_copies, each one's element_offset), decided here from
     the layouts: constants, as dynamo takes them. (Dynamo guards the parameters, not the gradients;
     the kernel refuses a gradient laid out otherwise.)"""
     gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
@@ -63,7 +67,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     out = []
     for backend, idx, _, (device, dtype) in group_batches(group, gi, indices):
         backend = traceable(backend, device, dtype.to_real())
-        copies = []
+        copies, offsets = [], []
         for pi in idx:
             p = group["params"][pi]
             state = optimizer._batches.state_for(optimizer, p, names, group)
@@ -73,7 +77,10 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
             for lst, buf in zip((buffer0, buffer1, buffer2, buffer3), bufs):
                 lst.append(buf)
             steps.append(state["step"])
+            if "seed" in state and group["state_dtype"] == torch.bfloat16:
+                seeds.append(state["seed"])
+                offsets.append(element_offset(p))
             param, grad, bufs = kernel_views(p, p.grad, bufs)
             copies.append(dense_copies(param, grad, bufs[0], BACKENDS[backend].flat))
-        out.append((backend, len(idx), tuple(copies)))
+        out.append((backend, len(idx), tuple(copies), tuple(offsets)))
     return tuple(out)

@@ -31,10 +31,18 @@ triton_unavailable_reason = triton.unavailable_reason
 # H200 the fused step took the Triton step's time within 0.5 % on every fp32 set from 2^26
 # elements and less below, spends less host time a step, repeats where a parameter with state
 # lacks a gradient, and runs inside any CUDA-graph capture (docs/performance.md, "auto").
-def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype) -> str:
+def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
+                    compressed: bool = False) -> str:
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
-    as measured (see above). Raises RuntimeError/ValueError saying why a requested backend
-    cannot run."""
+    as measured (see above). `compressed`: the state is kept in a dtype of its own
+    (state_dtype), which only the reference and foreach steps do so far. Raises
+    RuntimeError/ValueError saying why a requested backend cannot run."""
+    if compressed and requested in ("auto", "fused", "triton"):
+        if requested != "auto":
+            raise RuntimeError(f"backend={requested!r} does not keep the state in a dtype "
+                               "other than the parameter's yet: use backend='foreach' (or "
+                               "'auto') with state_dtype")
+        requested = "foreach"
     if requested in ("reference", "foreach"):
         if dtype not in REFERENCE_DTYPES:
             raise ValueError(f"unsupported parameter dtype {dtype}")

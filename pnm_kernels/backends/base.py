@@ -40,6 +40,10 @@ class Batch:
     buffers: list = field(default_factory=list)  # one list per buffer name
     steps: list = field(default_factory=list)
     held: Optional[HeldLists] = None  # for a cached batch
+    # bfloat16 state (docs/design.md §7): each parameter's seed (int64 tensor) and the
+    # elements of the whole parameter before its shard (0 where it is not sharded).
+    seeds: list = field(default_factory=list)
+    offsets: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

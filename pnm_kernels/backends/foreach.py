@@ -2,12 +2,14 @@
 bias corrections are read on the host; under torch.compile the same maths is traced without
 host reads (see _traced_step)."""
 import math
+from dataclasses import replace
 from typing import Optional, Union
 
 import torch
 
 from .. import reference
 from ..hyper import Hyper, coefficients
+from ..rounding import element_index, random_bits, round_bf16_stochastic
 from .base import Batch, HeldLists, Launch, Scaling
 from .reference import skip_step
 
@@ -19,6 +21,9 @@ class ForeachBackend:
     reads_host = True
 
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+        if hyper.compressed(batch.params[0].dtype):
+            _step_in_float32(self, batch, hyper, scaling)
+            return
         if torch.compiler.is_compiling() and scaling.found_inf is None:
             _traced_step(batch, hyper, scaling.grad_scale)
             return
@@ -69,6 +74,32 @@ class ForeachBackend:
     def prepare_repeat(self, held: HeldLists, device: torch.device, dtype: torch.dtype,
                        hyper: Hyper, use_taken: bool) -> Optional[Launch]:
         return None  # holds no lists
+
+
+def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+    """A step with the state in a dtype of its own (reference.py's semantics): the foreach
+    step over float32 copies, then every buffer written back (bfloat16 ones with stochastic
+    rounding: the buffer the step did not change rounds to itself) and the parameters in
+    their dtype. Eager or traced alike: the random bits come from the counters as tensors."""
+    if not torch.compiler.is_compiling() and skip_step(scaling.found_inf):
+        return
+    work = Batch(params=[p.float() for p in batch.params], grads=[g.float() for g in batch.grads],
+                 buffers=[[b.float() for b in buffers] for buffers in batch.buffers],
+                 steps=batch.steps)
+    backend.step(work, replace(hyper, state_dtype=None), scaling)
+    if batch.params[0].device.type == "meta":
+        return
+    for i, param in enumerate(batch.params):
+        if work.params[i] is not param:
+            param.copy_(work.params[i])
+        for slot, (buffers, values) in enumerate(zip(batch.buffers, work.buffers)):
+            buffer, value = buffers[i], values[i]
+            if buffer.dtype == torch.bfloat16:
+                bits = random_bits(batch.seeds[i], batch.steps[i].to(torch.int64), slot,
+                                   element_index(buffer, batch.offsets[i]))
+                buffer.copy_(round_bf16_stochastic(value, bits))
+            elif value is not buffer:
+                buffer.copy_(value)
 
 
 def _traced_step(batch: Batch, hyper: Hyper, grad_scale):

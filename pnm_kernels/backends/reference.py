@@ -26,9 +26,15 @@ class ReferenceBackend:
         common = dict(lr=float(hyper.lr), beta1=hyper.beta1, beta0=hyper.beta0,
                       weight_decay=hyper.weight_decay, decoupled=hyper.decoupled,
                       maximize=hyper.maximize, grad_scale=scaling.grad_scale)
+        if hyper.compressed(batch.params[0].dtype):
+            common.update(state_dtype=hyper.state_dtype)
         for i, (param, grad) in enumerate(zip(batch.params, batch.grads)):
             state = {name: buffers[i] for name, buffers in zip(names, batch.buffers)}
             state["step"] = batch.steps[i]
+            if batch.seeds:
+                state["seed"] = batch.seeds[i]
+            if batch.offsets:
+                common.update(offset=batch.offsets[i])
             if hyper.adaptive:
                 reference.adapnm_step(param, grad, state, beta2=hyper.beta2, eps=hyper.eps,
                                       amsgrad=hyper.amsgrad, **common)

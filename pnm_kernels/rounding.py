@@ -1,0 +1,95 @@
+"""Compressed optimizer state: where its random bits come from and how a value is rounded
+with them (docs/design.md §7). The ground truth, in torch ops: pnm_kernels/reference.py
+rounds with these functions, and every kernel computes the same bits.
+
+The random bits are counter-based, not drawn from a generator: a hash of the parameter's
+seed (state["seed"]), its step, the buffer's slot and the element's index in the whole,
+unsharded parameter. So a step is reproducible, capturable in a CUDA graph, the same on
+every backend, and the same whether the parameter is sharded along dim 0 (FSDP2) or not.
+
+    key(seed, t, slot, hi) = mix32(seed ^ mix32(t ^ mix32(slot + 4 * hi + GOLDEN)))
+    bits(i)                = mix32(lo ^ key(seed, t, slot, hi)) >> 16      (16 random bits)
+
+with i = hi * 2^32 + lo, t the step after its increment, modulo 2^32, and mix32 the
+xorshift-multiply hash "lowbias32" (C. Wellons' hash-prospector), all in uint32 arithmetic.
+
+Stochastic rounding of an fp32 value x to bf16: (bits(x) + bits(i)) with its low 16 bits
+cleared, for finite x (a carry out of the mantissa rounds up to the next binade, or to inf
+past the largest bf16); inf and NaN round to nearest (NaN becomes bf16's 0x7FC0). So x
+rounds up with probability (x - down) / (up - down): unbiased, where round-to-nearest lets an
+average with a small update (b1 = 0.999) stall at a fraction of its value.
+"""
+import torch
+
+GOLDEN = 0x9E3779B9
+MIX_MUL_1 = 0x21F0AAAD
+MIX_MUL_2 = 0xD35A2D97
+_LOW32 = 0xFFFFFFFF
+
+# Buffer slots: the kernel table order of each optimizer's buffers (backends/base.py).
+SLOTS = {"pos_momentum": 0, "neg_momentum": 1,
+         "exp_avg": 0, "neg_exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
+
+
+def mix32_int(x: int) -> int:
+    """mix32 of a Python int (host-side keys)."""
+    x &= _LOW32
+    x ^= x >> 16
+    x = (x * MIX_MUL_1) & _LOW32
+    x ^= x >> 15
+    x = (x * MIX_MUL_2) & _LOW32
+    return x ^ (x >> 15)
+
+
+def _mul_low32(x: torch.Tensor, c: int) -> torch.Tensor:
+    """(x * c) mod 2^32 for int64 tensors holding uint32 values: in 16-bit halves of c, so
+    that no int64 product overflows."""
+    low = x * (c & 0xFFFF)
+    high = ((x * (c >> 16)) & 0xFFFF) << 16
+    return (low + high) & _LOW32
+
+
+def mix32(x: torch.Tensor) -> torch.Tensor:
+    """mix32 elementwise over an int64 tensor of uint32 values."""
+    x = x ^ (x >> 16)
+    x = _mul_low32(x, MIX_MUL_1)
+    x = x ^ (x >> 15)
+    x = _mul_low32(x, MIX_MUL_2)
+    return x ^ (x >> 15)
+
+
+def element_index(buffer: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Each element's index in the whole parameter, as an int64 tensor shaped like the
+    buffer: its position in the buffer's dense memory order (row-major for a contiguous
+    tensor) plus `offset`, the elements before this shard (FSDP2's dim-0 shards)."""
+    count = torch.arange(buffer.numel(), dtype=torch.int64, device=buffer.device)
+    return torch.as_strided(count, buffer.shape, buffer.stride()) + offset
+
+
+def random_bits(seed: int, step: int, slot: int, index: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits of each element (int64 tensor in [0, 2^16))."""
+    hi, lo = index >> 32, index & _LOW32
+    key = mix32((slot + 4 * hi + GOLDEN) & _LOW32)
+    key = mix32(key ^ (step & _LOW32))
+    key = mix32(key ^ (seed & _LOW32))
+    return mix32(lo ^ key) >> 16
+
+
+def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
+    """x (float32) rounded to bfloat16 with these random bits (see the module's docstring)."""
+    u = x.view(torch.int32).to(torch.int64) & _LOW32
+    rounded = ((u + bits) & 0xFFFF0000) >> 16  # in [0, 2^16): the bf16's bit pattern
+    as_int16 = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
+    return torch.where(torch.isfinite(x), as_int16.view(torch.bfloat16), x.to(torch.bfloat16))
+
+
+def store_stochastic(buffer: torch.Tensor, value: torch.Tensor, *, seed: int, step: int,
+                     slot: int, offset: int = 0) -> None:
+    """buffer (bfloat16) = value (float32), rounded stochastically with the bits of this
+    seed, step and slot at each element's index."""
+    bits = random_bits(seed, step, slot, element_index(buffer, offset))
+    buffer.copy_(round_bf16_stochastic(value.float(), bits))
+
+
+__all__ = ["SLOTS", "mix32", "mix32_int", "element_index", "random_bits",
+           "round_bf16_stochastic", "store_stochastic"]

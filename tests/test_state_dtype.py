@@ -1,0 +1,281 @@
+"""state_dtype: the state kept in a dtype of its own (docs/design.md §7). bfloat16 buffers
+are written with stochastic rounding whose random bits are counter-based: every backend that
+keeps such state gives the reference's parameters and state bitwise, the averages do not
+stall where round-to-nearest does, the state travels in a plain state_dict and converts
+between state dtypes, and what cannot be done is refused before anything is touched."""
+import copy
+import io
+
+import pytest
+import torch
+
+from cases import OPTIMIZERS, STATE_MODES, STATE_DTYPE_PATHS, parametrize
+from pnm_kernels import PNM, AdaPNM, reference
+from pnm_kernels.rounding import (element_index, mix32, mix32_int, random_bits,
+                                  round_bf16_stochastic)
+
+STEPS = 12
+
+
+def _params(dtype, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    shapes = [(37, 5), (11,), (3, 4, 2)]
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def _grads(params, step):
+    gen = torch.Generator().manual_seed(100 + step)
+    return [torch.randn(p.shape, generator=gen).to(p.dtype) for p in params]
+
+
+def _run(optimizer, params, steps, first=0):
+    for t in range(first, first + steps):
+        for p, g in zip(params, _grads(params, t)):
+            p.grad = g
+        optimizer.step()
+
+
+def _assert_same(opt_a, params_a, opt_b, params_b):
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, value in opt_a.state[p].items():
+            other = opt_b.state[q][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), key
+
+
+@parametrize(STATE_DTYPE_PATHS, dtypes=(torch.float32, torch.bfloat16, torch.float16),
+             modes=tuple(STATE_MODES), args=("name", "backend", "dtype", "mode"))
+@pytest.mark.parametrize("variant", [dict(weight_decay=0.1),
+                                     dict(weight_decay=0.1, decoupled=False, maximize=True),
+                                     dict(amsgrad=False)], ids=["decoupled", "l2-max", "plain"])
+def test_state_in_its_own_dtype_steps_as_the_reference(name, backend, dtype, mode, variant):
+    state_dtype = STATE_MODES[mode]
+    if state_dtype == dtype and dtype == torch.float32:
+        pytest.skip("float32 state of float32 parameters is the default")
+    if "amsgrad" in variant and name == "PNM":
+        pytest.skip("PNM has no AMSGrad")
+    runs = []
+    for b in ("reference", backend):
+        params = _params(dtype)
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=b, state_dtype=state_dtype, **variant)
+        _run(opt, params, STEPS)
+        runs.append((opt, params))
+    _assert_same(*runs[0], *runs[1])
+    for key, value in runs[0][0].state[runs[0][1][0]].items():
+        if key not in ("step", "seed"):
+            assert value.dtype == state_dtype, key
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_bfloat16_state_holds_half_the_bytes(name):
+    params = _params(torch.float32)
+    opt = OPTIMIZERS[name](params, backend="foreach", state_dtype=torch.bfloat16)
+    _run(opt, params, 1)
+    elements = sum(p.numel() for p in params)
+    buffer_bytes = sum(v.numel() * v.element_size() for p in params
+                       for k, v in opt.state[p].items() if k not in ("step", "seed"))
+    assert buffer_bytes / elements == (4 if name == "PNM" else 8)  # AdaPNM with AMSGrad
+
+
+# -- the rounding itself ------------------------------------------------------------------
+
+def test_mix32_on_tensors_is_the_hash_of_each_value():
+    values = [0, 1, 2, 0x9E3779B9, 0xFFFFFFFF, 0x12345678, 0x80000000]
+    got = mix32(torch.tensor(values, dtype=torch.int64)).tolist()
+    assert got == [mix32_int(v) for v in values]
+    assert mix32_int(1) != 1 and len(set(got)) == len(values)  # a bijection that mixes
+
+
+def test_random_bits_differ_with_seed_step_slot_and_index_above_2_to_32():
+    index = torch.arange(4096, dtype=torch.int64)
+    base = random_bits(7, 3, 0, index)
+    assert base.min() >= 0 and base.max() < 2**16
+    for other in (random_bits(8, 3, 0, index), random_bits(7, 4, 0, index),
+                  random_bits(7, 3, 1, index), random_bits(7, 3, 0, index + 2**32)):
+        assert (other != base).float().mean() > 0.99
+    # roughly uniform: each of 16 bins of the 16 bits gets its share of 4096 draws
+    counts = torch.bincount(base >> 12, minlength=16).float()
+    assert (counts - 256).abs().max() < 4 * 16  # 4 sigma of a binomial(4096, 1/16)
+
+
+def test_stochastic_rounding_rounds_up_as_often_as_the_fraction_says():
+    down = torch.tensor(1.0 + 2**-7)  # a bf16 value; the next one up is 1 + 2^-6
+    for fraction in (0.0, 0.1, 0.5, 0.9):
+        x = torch.full((20000,), float(down + fraction * 2**-7), dtype=torch.float32)
+        bits = random_bits(3, 1, 0, torch.arange(x.numel()))
+        rounded = round_bf16_stochastic(x, bits).float()
+        assert set(rounded.unique().tolist()) <= {float(down), float(down + 2**-7)}
+        up = (rounded > down).float().mean().item()
+        assert abs(up - fraction) < 0.015, (fraction, up)
+        assert abs(rounded.mean().item() - x[0].item()) < 0.015 * 2**-7
+    # exactly representable values, signs, zero, infinities and NaN
+    special = torch.tensor([0.0, -0.0, 1.5, -3.25, float("inf"), float("-inf"), float("nan")])
+    out = round_bf16_stochastic(special, torch.full((7,), 0xFFFF))
+    assert torch.equal(out[:6].float(), special[:6])
+    assert torch.signbit(out[1]) and torch.isnan(out[6])
+    # past the largest bf16, rounding up gives infinity, as rounding to nearest does
+    big = torch.tensor([torch.finfo(torch.bfloat16).max * (1 + 2**-9)])
+    assert torch.isinf(round_bf16_stochastic(big, torch.tensor([0xFFFF]))).all()
+
+
+def test_element_index_is_memory_order_plus_the_offset():
+    t = torch.empty(2, 3, 4, 5).to(memory_format=torch.channels_last)
+    index = element_index(t, offset=10)
+    assert index.flatten().sort().values.tolist() == list(range(10, 130))
+    assert index.stride() == t.stride() or index.as_strided(t.shape, t.stride()) is not None
+    assert int(index[0, 1, 0, 0]) == 10 + 1  # channels are adjacent in memory
+
+
+def test_dim0_shards_with_their_offsets_step_as_the_whole_parameter():
+    """FSDP2 shards along dim 0, unevenly: each shard stepped with the elements before it as
+    its offset gives bitwise the whole parameter's step (parameters and bfloat16 state)."""
+    whole = torch.randn(31, 16)
+    grads = [torch.randn(31, 16) for _ in range(6)]
+    common = dict(lr=1e-2, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.1,
+                  amsgrad=True, decoupled=True, maximize=False, state_dtype=torch.bfloat16)
+
+    def fresh_state(rows):
+        state = {name: torch.zeros(rows, 16, dtype=torch.bfloat16)
+                 for name in ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+        state.update(step=torch.zeros((), dtype=torch.float64), seed=torch.tensor(5))
+        return state
+
+    param, state = whole.clone(), fresh_state(31)
+    shards = [(0, 16), (16, 31)]
+    shard_params = [whole[a:b].clone() for a, b in shards]
+    shard_states = [fresh_state(b - a) for a, b in shards]
+    for g in grads:
+        reference.adapnm_step(param, g, state, **common)
+        for (a, b), p, s in zip(shards, shard_params, shard_states):
+            reference.adapnm_step(p, g[a:b], s, offset=a * 16, **common)
+    assert torch.equal(torch.cat(shard_params), param)
+    for name in ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
+        assert torch.equal(torch.cat([s[name] for s in shard_states]), state[name])
+
+
+# -- training as well as float32 state ----------------------------------------------------
+
+def _displacement(cls, betas, state_dtype=None, nearest=False, steps=2000, n=2048):
+    """The parameters after `steps` steps with one constant gradient per element, from 0."""
+    g = torch.linspace(0.1, 1.0, n)
+    p = torch.nn.Parameter(torch.zeros(n))
+    opt = cls([p], lr=1e-3, betas=betas, state_dtype=state_dtype,
+              backend="reference" if nearest else "foreach")
+    for _ in range(steps):
+        p.grad = g
+        opt.step()
+        if nearest:  # float32 state rounded to nearest bfloat16 after every step
+            for key, value in opt.state[p].items():
+                if key != "step":
+                    value.copy_(value.bfloat16())
+    return p.detach()
+
+
+@pytest.mark.parametrize("cls,betas", [(PNM, (0.999, 1.0)), (AdaPNM, (0.999, 0.999, 1.0))],
+                         ids=["PNM", "AdaPNM"])
+def test_bfloat16_state_moves_the_parameters_as_far_as_float32_state(cls, betas):
+    """Constant gradients, b1 = 0.999 (PNM's buffers decay by b1^2 a step): the averages'
+    updates are far below half a bf16 ulp of their values. With stochastic rounding the
+    displacement is float32 state's within 3 %; rounded to nearest, PNM's buffers stall at
+    about a third of their value and AdaPNM's first moment drifts."""
+    exact = _displacement(cls, betas)
+    stochastic = _displacement(cls, betas, torch.bfloat16)
+    nearest = _displacement(cls, betas, nearest=True)
+    error = lambda d: ((d - exact).norm() / exact.norm()).item()  # noqa: E731
+    assert error(stochastic) < 0.03
+    assert error(nearest) > 0.03
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+def _round_trip(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("param_dtype,state_dtype", [(torch.float32, torch.bfloat16),
+                                                     (torch.bfloat16, torch.float32),
+                                                     (torch.bfloat16, torch.bfloat16)])
+def test_a_saved_state_resumes_bitwise(name, param_dtype, state_dtype):
+    """Through torch.save and torch.load(weights_only=True): the state keeps its dtype (torch
+    would cast float32 state to bfloat16 parameters' dtype) and the seed its value."""
+    cls = OPTIMIZERS[name]
+    params = _params(param_dtype)
+    opt = cls(params, lr=1e-2, backend="foreach", state_dtype=state_dtype)
+    _run(opt, params, 5)
+    saved, saved_params = _round_trip(opt.state_dict()), [p.detach().clone() for p in params]
+    _run(opt, params, 5, first=5)
+    resumed = [torch.nn.Parameter(p) for p in saved_params]
+    opt2 = cls(resumed, lr=1e-2, backend="foreach", state_dtype=state_dtype)
+    opt2.load_state_dict(saved)
+    _run(opt2, resumed, 5, first=5)
+    _assert_same(opt, params, opt2, resumed)
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpoint_converts_between_state_dtypes(name):
+    """float32 state loads into a bfloat16-state optimizer (rounded to nearest, once) and
+    bfloat16 state into a float32-state one (exactly); the step goes on from it."""
+    cls = OPTIMIZERS[name]
+    params = _params(torch.float32)
+    opt = cls(params, lr=1e-2, backend="foreach")
+    _run(opt, params, 4)
+    into = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    compressed = cls(into, lr=1e-2, backend="foreach", state_dtype=torch.bfloat16)
+    compressed.load_state_dict(_round_trip(opt.state_dict()))
+    _run(compressed, into, 1, first=4)
+    key = "exp_avg_sq" if name == "AdaPNM" else "pos_momentum"
+    assert compressed.state[into[0]][key].dtype == torch.bfloat16
+    assert "seed" in compressed.state[into[0]]
+    back = [torch.nn.Parameter(p.detach().clone()) for p in into]
+    plain = cls(back, lr=1e-2, backend="foreach")
+    plain.load_state_dict(_round_trip(compressed.state_dict()))
+    _run(plain, back, 1, first=5)
+    assert plain.state[back[0]][key].dtype == torch.float32
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("bad", [torch.float16, torch.int8, "bfloat16", 2])
+def test_an_unknown_state_dtype_is_refused_naming_it(bad):
+    with pytest.raises(ValueError, match="state_dtype"):
+        PNM(_params(torch.float32), state_dtype=bad)
+
+
+@pytest.mark.parametrize("dtype,culprit", [(torch.float64, "float64"),
+                                           (torch.complex64, "complex")])
+def test_a_parameter_that_cannot_keep_such_state_is_named_before_any_step(dtype, culprit):
+    good = torch.nn.Parameter(torch.randn(4))
+    bad = torch.nn.Parameter(torch.randn(3, dtype=dtype))
+    opt = AdaPNM([good, bad], backend="foreach", state_dtype=torch.bfloat16)
+    good.grad, bad.grad = torch.ones(4), torch.ones_like(bad)
+    before = good.detach().clone()
+    with pytest.raises(ValueError, match=rf"params'\]\[1\].*{culprit}"):
+        opt.step()
+    assert torch.equal(good, before) and not opt.state
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_a_backend_without_such_state_says_so_before_any_step(backend):
+    p = torch.nn.Parameter(torch.randn(4))
+    opt = PNM([p], backend=backend, state_dtype=torch.bfloat16)
+    p.grad = torch.ones(4)
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=rf"backend='{backend}'.*state_dtype"):
+        opt.step()
+    assert torch.equal(p, before)
+
+
+def test_switching_state_dtype_mid_run_converts_the_state():
+    params = _params(torch.float32)
+    opt = PNM(params, lr=1e-2, backend="foreach")
+    _run(opt, params, 3)
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16
+    _run(opt, params, 2, first=3)
+    assert opt.state[params[0]]["pos_momentum"].dtype == torch.bfloat16
+    expected = copy.deepcopy(opt.state[params[0]]["seed"])
+    assert int(expected) == 0  # the first parameter's seed: its place in param_groups
