@@ -72,6 +72,7 @@ sources = [
     "csrc/step_call.cpp",  # argument checks, kernel arguments
     "csrc/step_lists.cpp",  # the StepLists custom class
     "csrc/cpu_kernel.cpp",  # the fused CPU kernel
+    "csrc/cpu_state_kernel.cpp",  # the same with state in a dtype of its own
     "csrc/emulated_cuda.cpp",  # the CUDA kernels' code on the host
 ]
 # Headers: rebuild when they change (MANIFEST.in puts them in the sdist).

@@ -15,6 +15,7 @@
 #include <utility>
 #include <vector>
 
+#include "cpu_elements.h"
 #include "cpu_half_lanes.h"
 
 namespace pnm {
@@ -22,34 +23,6 @@ namespace {
 
 constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 constexpr int64_t kCpuTile = 512;
-
-// std::bit_cast, which the C++17 that older torch builds extensions with lacks.
-template <class To, class From>
-PNM_CPU_INLINE To bit_cast(From v) {
-  static_assert(sizeof(To) == sizeof(From));
-  To out;
-  std::memcpy(&out, &v, sizeof(To));
-  return out;
-}
-
-// Element access in the arithmetic type for the storage types the loops run on directly:
-// fp32 and fp64 as they are, bf16 in fp32 (a shift in, round-to-nearest-even out), all of
-// which the compiler vectorises. fp16 does not: see cpu_range_body.
-PNM_CPU_INLINE float load(const float* a, int64_t i) { return a[i]; }
-PNM_CPU_INLINE void store(float* a, int64_t i, float v) { a[i] = v; }
-PNM_CPU_INLINE double load(const double* a, int64_t i) { return a[i]; }
-PNM_CPU_INLINE void store(double* a, int64_t i, double v) { a[i] = v; }
-
-PNM_CPU_INLINE float load(const c10::BFloat16* a, int64_t i) {
-  return bit_cast<float>(static_cast<uint32_t>(a[i].x) << 16);
-}
-
-// Rounds to nearest even and makes NaN 0x7FC0: bitwise what c10::BFloat16(float) gives.
-PNM_CPU_INLINE void store(c10::BFloat16* a, int64_t i, float v) {
-  const uint32_t u = bit_cast<uint32_t>(v);
-  const uint16_t rounded = static_cast<uint16_t>((u + 0x7FFFu + ((u >> 16) & 1u)) >> 16);
-  a[i].x = v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
-}
 
 // The loops take a local copy of the coefficients: through a reference GCC cannot rule out
 // aliasing with the arrays, and does not vectorise the AdaPNM loop.

@@ -24,4 +24,8 @@ void set_active_cpu_isa(CpuIsa isa);
 // threads, then the step counters incremented.
 void cpu_fused_step(const StepCall& call);
 
+// The same with the state in a dtype of its own (cpu_state_kernel.cpp): bfloat16 buffers
+// written with stochastic rounding, or float32 buffers of 16-bit parameters.
+void cpu_state_step(const StepCall& call);
+
 }  // namespace pnm

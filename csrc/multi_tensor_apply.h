@@ -40,24 +40,27 @@ constexpr int kVecBytes = 16;  // one 128-bit load or store per list and thread
 // Only the buffer of the step's parity is written; grads and the other buffer are read only.
 PNM_HOST_DEVICE constexpr bool is_written(int list) { return list != 1 && list != 3; }
 
-template <bool kDecoupled>
+template <bool kDecoupledWd>
 struct PnmAlgo {
   static constexpr int kLists = 4;
   static constexpr bool kAdaptive = false;
+  static constexpr bool kDecoupled = kDecoupledWd;
   template <typename C>
   PNM_HOST_DEVICE static void apply(C* e, const Coeffs<C>& c) {
-    pnm_element<kDecoupled>(e[0], e[1], e[2], e[3], c);
+    pnm_element<kDecoupledWd>(e[0], e[1], e[2], e[3], c);
   }
 };
 
-template <bool kDecoupled, bool kAmsgrad>
+template <bool kDecoupledWd, bool kAmsgradOn>
 struct AdaPnmAlgo {
-  static constexpr int kLists = kAmsgrad ? 6 : 5;
+  static constexpr int kLists = kAmsgradOn ? 6 : 5;
   static constexpr bool kAdaptive = true;
+  static constexpr bool kDecoupled = kDecoupledWd;
+  static constexpr bool kAmsgrad = kAmsgradOn;
   template <typename C>
   PNM_HOST_DEVICE static void apply(C* e, const Coeffs<C>& c) {
     // Without AMSGrad, v_max is never touched; e[kLists - 1] only fills the slot.
-    adapnm_element<kDecoupled, kAmsgrad>(e[0], e[1], e[2], e[3], e[4], e[kLists - 1], c);
+    adapnm_element<kDecoupledWd, kAmsgradOn>(e[0], e[1], e[2], e[3], e[4], e[kLists - 1], c);
   }
 };
 

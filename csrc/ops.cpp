@@ -26,6 +26,10 @@ struct CpuFused {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { cpu_fused_step(call); }
 };
+struct CpuState {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  static void run(const StepCall& call) { cpu_state_step(call); }
+};
 struct EmulatedCuda {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { emulated_cuda_step(call); }
@@ -110,12 +114,30 @@ std::vector<std::string> cpu_isas() {
        "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "            \
        "Tensor(g!)? blocks_done=None) -> ()"
 
+// State in a dtype of its own (docs/design.md §7): each parameter's seed and the elements of
+// the whole parameter before it pick the random bits of stochastic rounding.
+#define PNM_STATE_STEP_SCHEMA(name)                                                           \
+  name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] pos_momentums, "                   \
+       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, Tensor[] seeds, int[] offsets, *, "   \
+       "float lr, float beta1, float beta0, float weight_decay, bool decoupled, "             \
+       "bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "                     \
+       "Tensor? found_inf=None) -> ()"
+#define ADAPNM_STATE_STEP_SCHEMA(name)                                                        \
+  name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
+       "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
+       "Tensor(f!)[] steps, Tensor[] seeds, int[] offsets, *, float lr, float beta1, "        \
+       "float beta2, float beta0, float eps, float weight_decay, bool amsgrad, "              \
+       "bool decoupled, bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "     \
+       "Tensor? found_inf=None) -> ()"
+
 TORCH_LIBRARY(pnm_kernels, m) {
   m.def(PNM_STEP_SCHEMA("pnm_step_"));
   m.def(ADAPNM_STEP_SCHEMA("adapnm_step_"));
   // The CUDA kernels' code, executed on CPU tensors (CI has no GPU).
   m.def(PNM_STEP_SCHEMA("emulated_cuda_pnm_step_"));
   m.def(ADAPNM_STEP_SCHEMA("emulated_cuda_adapnm_step_"));
+  m.def(PNM_STATE_STEP_SCHEMA("pnm_state_step_"));
+  m.def(ADAPNM_STATE_STEP_SCHEMA("adapnm_state_step_"));
   m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks, "
         "int max_single_launch_blocks=0) -> ()",
         &pnm::set_launch_limits);
@@ -148,6 +170,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
   m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::CpuFused>);
   m.impl("emulated_cuda_pnm_step_", &pnm::pnm_step_op<pnm::EmulatedCuda>);
   m.impl("emulated_cuda_adapnm_step_", &pnm::adapnm_step_op<pnm::EmulatedCuda>);
+  m.impl("pnm_state_step_", &pnm::pnm_state_step_op<pnm::CpuState>);
+  m.impl("adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::CpuState>);
 }
 
 // Importing pnm_kernels._C runs the registrations above.
@@ -158,7 +182,8 @@ extern "C" PyObject* PyInit__C(void) {
 
 TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
   for (const char* name : {"pnm_step_", "adapnm_step_", "emulated_cuda_pnm_step_",
-                           "emulated_cuda_adapnm_step_"}) {
+                           "emulated_cuda_adapnm_step_", "pnm_state_step_",
+                           "adapnm_state_step_"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }

@@ -58,8 +58,34 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   dtype == at::kBFloat16,
               "pnm_kernels: params[0] has dtype ", dtype,
               "; the fused kernels take float32, float64, float16 and bfloat16");
+  // The buffers' dtype: the parameters' own, or (the state ops) bfloat16 with stochastic
+  // rounding, or float32 beside 16-bit parameters.
+  const at::ScalarType state_dtype =
+      call.own_state_dtype ? call.lists[2][0].scalar_type() : dtype;
+  if (call.own_state_dtype) {
+    TORCH_CHECK(device_type == c10::DeviceType::CPU,
+                "pnm_kernels: state in its own dtype is stepped on the CPU only");
+    TORCH_CHECK(dtype != at::kDouble, "pnm_kernels: float64 parameters keep float64 state");
+    TORCH_CHECK(state_dtype == at::kBFloat16 || (state_dtype == at::kFloat && dtype != at::kFloat),
+                "pnm_kernels: ", names[2], "[0] has dtype ", state_dtype, " beside ", dtype,
+                " parameters; the state ops keep bfloat16 state, or float32 state of 16-bit "
+                "parameters");
+    // Rounding to bfloat16 needs each parameter's seed and offset; float32 state none.
+    const size_t wanted = state_dtype == at::kBFloat16 ? n : 0;
+    TORCH_CHECK(call.seeds.size() == wanted && call.offsets.size() == wanted, "pnm_kernels: ",
+                call.seeds.size(), " seeds and ", call.offsets.size(), " offsets for ", n,
+                " params with ", state_dtype, " state (", wanted, " of each wanted)");
+  }
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = call.lists[0][i];
+    if (call.own_state_dtype && !call.seeds.empty()) {
+      const at::Tensor& seed = call.seeds[i];
+      TORCH_CHECK(seed.defined() && seed.numel() == 1 && seed.scalar_type() == at::kLong &&
+                      seed.device() == device,
+                  "pnm_kernels: seeds[", i, "] must be an int64 tensor with one element on ",
+                  device);
+      TORCH_CHECK(call.offsets[i] >= 0, "pnm_kernels: offsets[", i, "] is negative");
+    }
     for (int l = 0; l < call.num_lists; ++l) {
       const at::Tensor& t = call.lists[l][i];
       TORCH_CHECK(t.defined(), "pnm_kernels: ", names[l], "[", i, "] is undefined");
@@ -67,9 +93,10 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   "] is sparse; PNM/AdaPNM do not support sparse tensors");
       TORCH_CHECK(t.device() == device, "pnm_kernels: ", names[l], "[", i, "] is on ",
                   t.device(), " but params[0] is on ", device);
-      TORCH_CHECK(t.scalar_type() == dtype, "pnm_kernels: ", names[l], "[", i, "] has dtype ",
-                  t.scalar_type(), " but params[0] has ", dtype,
-                  " (one call takes one dtype; group tensors by dtype)");
+      const at::ScalarType want = (l >= 2 && call.own_state_dtype) ? state_dtype : dtype;
+      TORCH_CHECK(t.scalar_type() == want, "pnm_kernels: ", names[l], "[", i, "] has dtype ",
+                  t.scalar_type(), " but ", l >= 2 && call.own_state_dtype ? names[2] : "params",
+                  "[0] has ", want, " (one call takes one dtype; group tensors by dtype)");
       TORCH_CHECK(t.sizes() == p.sizes(), "pnm_kernels: ", names[l], "[", i, "] has shape ",
                   t.sizes(), " but params[", i, "] has shape ", p.sizes());
       TORCH_CHECK(dense_like(t, p), "pnm_kernels: ", names[l], "[", i,
@@ -128,10 +155,14 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        bool maximize, const std::optional<at::Tensor>& lr_tensor,
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
-                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type) {
+                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type,
+                       at::TensorList seeds, at::IntArrayRef offsets, bool own_state_dtype) {
   StepCall call = common_call(params, grads, pos_momentums, neg_momentums, steps, lr,
                               lr_tensor, grad_scale, found_inf, blocks_done, decoupled);
   call.num_lists = 4;
+  call.own_state_dtype = own_state_dtype;
+  call.seeds = seeds;
+  call.offsets = offsets;
   call.hyper = Hyper{beta1, 0.0, beta0, 0.0, weight_decay, maximize};
   check_call(call, kPnmListNames, device_type);
   return call;
@@ -146,9 +177,13 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf,
                           const std::optional<at::Tensor>& blocks_done,
-                          c10::DeviceType device_type) {
+                          c10::DeviceType device_type, at::TensorList seeds,
+                          at::IntArrayRef offsets, bool own_state_dtype) {
   StepCall call = common_call(params, grads, exp_avgs, neg_exp_avgs, steps, lr, lr_tensor,
                               grad_scale, found_inf, blocks_done, decoupled);
+  call.own_state_dtype = own_state_dtype;
+  call.seeds = seeds;
+  call.offsets = offsets;
   call.num_lists = amsgrad ? 6 : 5;
   call.lists[4] = exp_avg_sqs;
   if (amsgrad) call.lists[5] = max_exp_avg_sqs;

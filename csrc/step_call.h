@@ -27,6 +27,11 @@ struct StepCall {
   // use for it.
   std::optional<at::Tensor> blocks_done;
   bool adaptive = false, decoupled = true, amsgrad = false;
+  // State in a dtype of its own (the *_state_ ops, docs/design.md §7): the buffers' dtype,
+  // each parameter's seed (int64) and the elements of the whole parameter before it.
+  bool own_state_dtype = false;
+  at::TensorList seeds;
+  at::IntArrayRef offsets;
 
   int64_t size() const { return static_cast<int64_t>(lists[0].size()); }
 };
@@ -38,7 +43,9 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        bool maximize, const std::optional<at::Tensor>& lr_tensor,
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
-                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type);
+                       const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type,
+                       at::TensorList seeds = {}, at::IntArrayRef offsets = {},
+                       bool own_state_dtype = false);
 
 StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
@@ -49,7 +56,8 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& grad_scale,
                           const std::optional<at::Tensor>& found_inf,
                           const std::optional<at::Tensor>& blocks_done,
-                          c10::DeviceType device_type);
+                          c10::DeviceType device_type, at::TensorList seeds = {},
+                          at::IntArrayRef offsets = {}, bool own_state_dtype = false);
 
 // Same memory layout: equal strides on every dimension that has more than one element.
 inline bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
@@ -156,6 +164,41 @@ void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList 
       make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                        steps, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled,
                        maximize, lr_tensor, grad_scale, found_inf, blocks_done, Impl::kDevice);
+  bump_versions(call);
+  Impl::run(call);
+}
+
+// The ops with state in a dtype of its own (CPU only): the same arguments and seeds, offsets.
+template <class Impl>
+void pnm_state_step_op(at::TensorList params, at::TensorList grads,
+                       at::TensorList pos_momentums, at::TensorList neg_momentums,
+                       at::TensorList steps, at::TensorList seeds, at::IntArrayRef offsets,
+                       double lr, double beta1, double beta0, double weight_decay,
+                       bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
+                       const std::optional<at::Tensor>& grad_scale,
+                       const std::optional<at::Tensor>& found_inf) {
+  const StepCall call =
+      make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
+                    weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
+                    std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true);
+  bump_versions(call);
+  Impl::run(call);
+}
+
+template <class Impl>
+void adapnm_state_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                          at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
+                          at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                          at::TensorList seeds, at::IntArrayRef offsets, double lr,
+                          double beta1, double beta2, double beta0, double eps,
+                          double weight_decay, bool amsgrad, bool decoupled, bool maximize,
+                          const std::optional<at::Tensor>& lr_tensor,
+                          const std::optional<at::Tensor>& grad_scale,
+                          const std::optional<at::Tensor>& found_inf) {
+  const StepCall call = make_adapnm_call(
+      params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+      beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
+      found_inf, std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true);
   bump_versions(call);
   Impl::run(call);
 }

@@ -11,6 +11,7 @@ from .backends.base import Batch, HeldLists, held_lists_ok
 from .backends.layout import dense_like
 import torch
 
+from .hyper import compressed_state
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .state import BufferShapeError, ParamState, StateWatch, ensure_state
@@ -19,8 +20,8 @@ _MAX_ENTRIES = 64
 
 
 class BatchCache:
-    """The cached lists of each (group, backend, buffers, parameters) batch, valid while the
-    state's version is the one they were built at."""
+    """The cached lists of each (group, backend, state_dtype, buffers, parameters) batch,
+    valid while the state's version is the one they were built at."""
 
     def __init__(self) -> None:
         self.watch = StateWatch()
@@ -36,7 +37,7 @@ class BatchCache:
 
     def lookup(self, optimizer, group, backend, names, ids) -> Optional[Batch]:
         """The cached lists of a batch (gradients left out), if still valid."""
-        hit = self._entries.get((id(group), backend, names, ids))
+        hit = self._entries.get((id(group), backend, group["state_dtype"], names, ids))
         return hit[1] if hit is not None and hit[0] == self.version(optimizer) else None
 
     def batch(self, optimizer, item, names) -> tuple[Batch, list]:
@@ -66,7 +67,9 @@ class BatchCache:
                                                 BACKENDS[backend].flat)
         shards = not all(map(holdable, params))
         simple = counted and not writebacks and (not shards or all(map(shard_holdable, params)))
-        if simple and BACKENDS[backend].holds_lists:
+        # Lists for state in a dtype of its own are not held: its kernel takes seeds too.
+        if (simple and BACKENDS[backend].holds_lists
+                and not compressed_state(group["state_dtype"], params[0].dtype)):
             version = self.version(optimizer)
             for key in [k for k, (v, _) in self._entries.items() if v != version]:
                 del self._entries[key]  # stale: holds tensors the state may have replaced
@@ -76,7 +79,8 @@ class BatchCache:
             # Cached without this step's gradients: holding them would keep a whole set of
             # gradients alive after zero_grad() (a model's worth of GPU memory).
             held = Batch(batch.params, [], batch.buffers, batch.steps, batch.held)
-            self._entries[(id(group), backend, names, item.ids)] = (version, held)
+            self._entries[(id(group), backend, group["state_dtype"], names, item.ids)] = (
+                version, held)
         return batch, writebacks
 
     def build(self, optimizer, group, params, names, flat):

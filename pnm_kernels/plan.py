@@ -98,7 +98,7 @@ class Planner:
                 ids = tuple(id(params[i]) for i in indices)
             if not indices:
                 continue
-            key = (id(group), group["backend"], ids)
+            key = (id(group), group["backend"], ids, group["state_dtype"])
             grouping = self._groupings.get(key)
             regrouped |= grouping is None
             found.append((gi, group, key, grouping, grouping is not None, grads, indices))

@@ -34,8 +34,14 @@ class HeldGroup:
     """A param group as the last step ran it: one held batch per device and dtype."""
     group: dict
     params: list
-    plan_keys: tuple  # (backend, buffers needed): a change of either needs a new plan
+    plan_keys: tuple  # see _plan_keys: a change of any needs a new plan
     batches: list  # [HeldBatch]
+
+
+def _plan_keys(group: dict, buffer_names: tuple) -> tuple:
+    """What decides a group's batches besides its parameters: the backend asked for, the
+    buffers needed (AMSGrad) and the dtype they are kept in."""
+    return group["backend"], group["state_dtype"], buffer_names
 
 
 class RepeatedStep:
@@ -85,7 +91,7 @@ class RepeatedStep:
                 held_batches.append(HeldBatch(held, item.params[0].device,
                                               item.params[0].dtype, item.backend))
             entries.append(HeldGroup(group, list(group["params"]),
-                                     (group["backend"], group_names), held_batches))
+                                     _plan_keys(group, group_names), held_batches))
         if k == len(items):
             flat = [(held, batch) for held in entries for batch in held.batches]
             self._last = (cache.version(optimizer), entries, flat)
@@ -108,7 +114,7 @@ class RepeatedStep:
                     or not all(map(operator.is_, current, held.params))):
                 return False
             hyper = planner.hyper(group, gi)  # validated again where it changed
-            if (group["backend"], planner.buffer_names(names, group)) != held.plan_keys:
+            if _plan_keys(group, planner.buffer_names(names, group)) != held.plan_keys:
                 return False
             hypers.append(hyper)
         hyper_of = {id(held): hyper for held, hyper in zip(entries, hypers)}

@@ -54,7 +54,7 @@ MODES = (None,)
 # state_dtype modes (docs/design.md §7): the state in a dtype of its own, and the paths that
 # keep it. A path that learns to keep such state is one entry here.
 STATE_MODES = {"bf16-state": torch.bfloat16, "fp32-state": torch.float32}
-STATE_DTYPE_PATHS = ("foreach",)
+STATE_DTYPE_PATHS = ("foreach", "fused")
 
 # Every fast path this machine runs, in the suite's order.
 FAST_PATHS = [p.name for p in PATHS if p.fast and (p.with_a_gpu or not HAS_CUDA)]

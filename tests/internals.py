@@ -228,3 +228,13 @@ def shipped_triton_launch_configs():
     kernels = _triton_kernels()
     return kernels._CONFIGS, kernels._PER_OPTIMIZER_CONFIGS, kernels._DEFAULT_CONFIG
 
+
+
+# --- state in a dtype of its own (pnm_kernels/params.py) ------------------------------------
+
+def element_offset(param):
+    """The elements of the whole parameter before this rank's shard: the offset of the index
+    that picks each element's random bits (pnm_kernels.params.element_offset)."""
+    from pnm_kernels.params import element_offset as offset
+
+    return offset(param)

@@ -13,7 +13,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FAST_PATHS, user_event
-from internals import count_batch_builds
+from internals import count_batch_builds, element_offset
 from pnm_kernels import PNM, AdaPNM
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
@@ -43,10 +43,11 @@ def _model():
     return torch.nn.Sequential(torch.nn.Linear(16, 31), torch.nn.Tanh(), torch.nn.Linear(31, 4))
 
 
-def _make_opt(name, params, device="cpu", zero=False):
+def _make_opt(name, params, device="cpu", zero=False, state_dtype=None):
     """The optimizer, or with zero=True torch's ZeroRedundancyOptimizer wrapping it (each rank
     keeps the state of its share of the parameters and broadcasts them after its step)."""
-    kwargs = dict(lr=1e-2, weight_decay=0.1, backend="fused"
+    kwargs = dict(lr=1e-2, weight_decay=0.1, state_dtype=state_dtype, backend="auto"
+                  if state_dtype is not None else "fused"
                   if "fused" in __import__("pnm_kernels").available_backends(device)
                   else "foreach")
     if zero:
@@ -65,9 +66,14 @@ def _train(model, opt, xs, ys, steps, rank=None):
         opt.step()
 
 
-def _single_process(name):
+def _state_dtype(mode):
+    """Modes ending in -bf16-state keep bfloat16 state (docs/design.md §7)."""
+    return torch.bfloat16 if mode.endswith("-bf16-state") else None
+
+
+def _single_process(name, state_dtype=None):
     model = _model()
-    opt = _make_opt(name, model.parameters())
+    opt = _make_opt(name, model.parameters(), state_dtype=state_dtype)
     _train(model, opt, *_data(), range(STEPS))
     return [p.detach() for p in model.parameters()]
 
@@ -107,7 +113,9 @@ def _worker(rank, mode, name, workdir, port):
             full = [p.detach().cpu() for p in model.parameters()]
         else:
             _shard(model, offload=mode == "fsdp-offload", device_type=device.type)
-            opt = _make_opt(name, model.parameters(), device)
+            opt = _make_opt(name, model.parameters(), device, state_dtype=_state_dtype(mode))
+            if _state_dtype(mode) is not None:  # rank 1's rows 16..30 take the random bits
+                assert element_offset(model[0].weight) == rank * 16 * 16  # of the whole's
             half = STEPS // 2
             _train(model, opt, xs, ys, range(half), rank)
             shard = next(model.parameters())
@@ -115,8 +123,9 @@ def _worker(rank, mode, name, workdir, port):
             # the optimizer state is sharded like its parameter: local shards only
             assert type(state["exp_avg" if name == "AdaPNM" else "pos_momentum"]).__name__ == "DTensor"
             assert state["step"].item() == half
-            if mode == "fsdp-dcp":
-                model, opt = _checkpoint_round_trip(model, opt, name, workdir)
+            if mode.startswith("fsdp-dcp"):
+                model, opt = _checkpoint_round_trip(model, opt, name, workdir,
+                                                    _state_dtype(mode))
             _train(model, opt, xs, ys, range(half, STEPS), rank)
             full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         torch.save(full, os.path.join(workdir, f"rank{rank}.pt"))
@@ -164,7 +173,7 @@ def _zero_checkpoint_round_trip(model, opt, name, xs, ys, rank, workdir):
     return fresh
 
 
-def _checkpoint_round_trip(model, opt, name, workdir):
+def _checkpoint_round_trip(model, opt, name, workdir, state_dtype=None):
     """Save model and optimizer with DCP, then continue in a fresh model and optimizer."""
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
@@ -172,7 +181,7 @@ def _checkpoint_round_trip(model, opt, name, workdir):
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{workdir}/ckpt")
     fresh = _model()
     _shard(fresh)
-    fresh_opt = _make_opt(name, fresh.parameters())
+    fresh_opt = _make_opt(name, fresh.parameters(), state_dtype=state_dtype)
     model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
     loaded = {"model": model_sd, "optim": optim_sd}
     dcp.load(loaded, checkpoint_id=f"{workdir}/ckpt")
@@ -184,14 +193,15 @@ def _checkpoint_round_trip(model, opt, name, workdir):
 
 
 @pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "ddp-zero-resumed"] + [
-    pytest.param(m, marks=needs_cpu_fsdp2) for m in ("fsdp", "fsdp-dcp", "fsdp-offload")] + [
+    pytest.param(m, marks=needs_cpu_fsdp2) for m in (
+        "fsdp", "fsdp-dcp", "fsdp-offload", "fsdp-bf16-state", "fsdp-dcp-bf16-state")] + [
     "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
     if mode.endswith("-nccl") and not (dist.is_nccl_available()
                                        and torch.cuda.device_count() >= WORLD):
         pytest.skip("NCCL with 2 ranks needs 2 GPUs (a communicator takes one GPU a rank)")
-    expected = _single_process(name)
+    expected = _single_process(name, _state_dtype(mode))
     with tempfile.TemporaryDirectory() as workdir:
         mp.spawn(_worker, args=(mode, name, workdir, _free_port()), nprocs=WORLD, join=True)
         for rank in range(WORLD):

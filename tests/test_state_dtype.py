@@ -1,8 +1,10 @@
 """state_dtype: the state kept in a dtype of its own (docs/design.md §7). bfloat16 buffers
-are written with stochastic rounding whose random bits are counter-based: every backend that
-keeps such state gives the reference's parameters and state bitwise, the averages do not
-stall where round-to-nearest does, the state travels in a plain state_dict and converts
-between state dtypes, and what cannot be done is refused before anything is touched."""
+are written with stochastic rounding whose random bits are counter-based: foreach gives the
+reference's parameters and state bitwise (the same ops), the fused kernel gives them to
+rounding (its float32 arithmetic unfused, as for float32 state) and the same bits on every
+instruction set; the averages do not stall where round-to-nearest does, the state travels
+in a plain state_dict and converts between state dtypes, and what cannot be done is refused
+before anything is touched."""
 import copy
 import io
 
@@ -10,7 +12,8 @@ import pytest
 import torch
 
 from cases import OPTIMIZERS, STATE_MODES, STATE_DTYPE_PATHS, parametrize
-from pnm_kernels import PNM, AdaPNM, reference
+from conftest import assert_states_close
+from pnm_kernels import PNM, AdaPNM, _ops, reference
 from pnm_kernels.rounding import (element_index, mix32, mix32_int, random_bits,
                                   round_bf16_stochastic)
 
@@ -61,10 +64,32 @@ def test_state_in_its_own_dtype_steps_as_the_reference(name, backend, dtype, mod
         opt = OPTIMIZERS[name](params, lr=1e-2, backend=b, state_dtype=state_dtype, **variant)
         _run(opt, params, STEPS)
         runs.append((opt, params))
-    _assert_same(*runs[0], *runs[1])
+    if backend == "foreach":
+        _assert_same(*runs[0], *runs[1])
+    else:  # a rare buffer element may round the other way: within a bf16 ulp
+        assert_states_close(*runs[1], *runs[0])
     for key, value in runs[0][0].state[runs[0][1][0]].items():
         if key not in ("step", "seed"):
             assert value.dtype == state_dtype, key
+
+
+@pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_the_fused_kernel_gives_the_same_bits_on_every_instruction_set(name, dtype):
+    runs = []
+    try:
+        for isa in _ops.cpu_isas():
+            _ops.set_cpu_isa(isa)
+            params = [torch.nn.Parameter(torch.randn(70000, generator=torch.Generator()
+                                                     .manual_seed(0)).to(dtype))] + _params(dtype)
+            opt = OPTIMIZERS[name](params, lr=1e-2, backend="fused", state_dtype=torch.bfloat16)
+            _run(opt, params, 5)
+            runs.append((opt, params))
+    finally:
+        _ops.set_cpu_isa()
+    for other in runs[1:]:
+        _assert_same(*runs[0], *other)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -259,13 +284,16 @@ def test_a_parameter_that_cannot_keep_such_state_is_named_before_any_step(dtype,
     assert torch.equal(good, before) and not opt.state
 
 
-@pytest.mark.parametrize("backend", ["fused", "triton"])
-def test_a_backend_without_such_state_says_so_before_any_step(backend):
+def test_a_backend_without_such_state_says_so_before_any_step(monkeypatch):
     p = torch.nn.Parameter(torch.randn(4))
-    opt = PNM([p], backend=backend, state_dtype=torch.bfloat16)
+    opt = PNM([p], backend="triton", state_dtype=torch.bfloat16)
     p.grad = torch.ones(4)
     before = p.detach().clone()
-    with pytest.raises(RuntimeError, match=rf"backend='{backend}'.*state_dtype"):
+    with pytest.raises(RuntimeError, match=r"backend='triton'.*state_dtype"):
+        opt.step()
+    monkeypatch.setenv("PNM_KERNELS_EMULATE_CUDA", "1")  # the CUDA kernels: not yet
+    opt.param_groups[0]["backend"] = "fused"
+    with pytest.raises(RuntimeError, match=r"backend='fused'.*state_dtype"):
         opt.step()
     assert torch.equal(p, before)
 

@@ -37,18 +37,18 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
     as measured (see above). `compressed`: the state is kept in a dtype of its own
     (state_dtype), which only the reference and foreach steps do so far. Raises
     RuntimeError/ValueError saying why a requested backend cannot run."""
-    if compressed and requested in ("auto", "fused", "triton"):
-        if requested != "auto":
-            raise RuntimeError(f"backend={requested!r} does not keep the state in a dtype "
-                               "other than the parameter's yet: use backend='foreach' (or "
-                               "'auto') with state_dtype")
-        requested = "foreach"
+    if compressed and requested in ("auto", "triton"):
+        if requested == "triton":
+            raise RuntimeError("backend='triton' does not keep the state in a dtype other than "
+                               "the parameter's (state_dtype) yet: use backend='auto', 'fused' "
+                               "(CPU) or 'foreach'")
+        requested = "fused" if fused_unavailable_reason(device, dtype, True) is None else "foreach"
     if requested in ("reference", "foreach"):
         if dtype not in REFERENCE_DTYPES:
             raise ValueError(f"unsupported parameter dtype {dtype}")
         return requested
     if requested == "fused":
-        reason = fused_unavailable_reason(device, dtype)
+        reason = fused_unavailable_reason(device, dtype, compressed)
     elif requested == "triton":
         reason = triton_unavailable_reason(device, dtype)
     else:  # auto: see above

@@ -11,12 +11,16 @@ from .base import Batch, HeldLists, Launch, Scaling, emulating, split_lr, step_l
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str]:
+def unavailable_reason(device: torch.device, dtype: torch.dtype,
+                       own_state_dtype: bool = False) -> Optional[str]:
     error = extension_error()
     if error is not None:
         return f"the compiled extension pnm_kernels._C could not be loaded ({error})"
     if dtype not in DTYPES:
         return f"the fused kernels take float32, float64, float16 and bfloat16, not {dtype}"
+    if own_state_dtype and (device.type != "cpu" or emulating(device)):
+        return ("its kernels keep the state in a dtype other than the parameter's "
+                "(state_dtype) on the CPU only, so far")
     if device.type == "cpu":
         return None
     if device.type == "cuda":
@@ -47,6 +51,9 @@ class FusedBackend:
 
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         device = batch.params[0].device
+        if hyper.compressed(batch.params[0].dtype):
+            _state_step(batch, hyper, scaling)
+            return
         if batch.held is not None and not torch.compiler.is_compiling():
             # Eager steps of a cached batch: parameters, buffers and counters were handed to
             # C++ once, and only the gradients cross over from Python. With thousands of small
@@ -83,3 +90,22 @@ class FusedBackend:
         def launch(scaling: Scaling) -> bool:
             return step(use_taken, *_held_step_args(hyper, device, scaling))
         return launch
+
+
+def _state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+    """The CPU kernel for state in a dtype of its own (csrc/cpu_state_kernel.cpp). Its
+    lists are not held between steps (BatchCache holds none for such state)."""
+    lr, lr_tensor = split_lr(hyper.lr, batch.params[0].device, keep_float64=True)
+    ops = torch.ops.pnm_kernels
+    common = dict(lr=lr, beta1=hyper.beta1, beta0=hyper.beta0, weight_decay=hyper.weight_decay,
+                  decoupled=hyper.decoupled, maximize=hyper.maximize, lr_tensor=lr_tensor,
+                  grad_scale=scaling.grad_scale, found_inf=scaling.found_inf)
+    if hyper.adaptive:
+        max_exp_avg_sq = batch.buffers[3] if hyper.amsgrad else []
+        ops.adapnm_state_step_(batch.params, batch.grads, batch.buffers[0], batch.buffers[1],
+                               batch.buffers[2], max_exp_avg_sq, batch.steps, batch.seeds,
+                               batch.offsets, beta2=hyper.beta2, eps=hyper.eps,
+                               amsgrad=hyper.amsgrad, **common)
+    else:
+        ops.pnm_state_step_(batch.params, batch.grads, batch.buffers[0], batch.buffers[1],
+                            batch.steps, batch.seeds, batch.offsets, **common)
