@@ -49,9 +49,38 @@ PEERS = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused
          "SGD-momentum": "torch.SGD-momentum[fused]", "Adam-amsgrad": "torch.Adam-amsgrad[fused]"}
 
 
-def contenders(device, dtype=torch.float32):
-    """(label, family, factory(params)) for every optimizer compared."""
+STATE_NAMES = {"bfloat16": "bf16 state", "float32": "fp32 state"}
+
+
+def state_label(state_dtype):
+    """The label suffix of our contenders with state in a dtype of its own."""
+    return f",{STATE_NAMES[str(state_dtype).replace('torch.', '')]}" if state_dtype else ""
+
+
+def bytes_per_element(label, family, dtype):
+    """The bytes a step moves per parameter element: parameter (read, written), gradient
+    (read) and the state buffers' reads and writes (PNM: this step's buffer read and
+    written, the other read; AdaPNM-AMSGrad: that and both second moments read and written),
+    in the parameter's dtype or, for our contenders with their own state dtype, in that."""
+    size = torch.tensor([], dtype=dtype).element_size()
+    for state_dtype, name in STATE_NAMES.items():
+        if name in label:
+            state_accesses = {"PNM": 3, "AdaPNM": 7}[family]
+            return 3 * size + state_accesses * getattr(torch, state_dtype).itemsize
+    return BYTES_PER_ELEMENT[family] * size / 4
+
+
+def contenders(device, dtype=torch.float32, state_dtype=None):
+    """(label, family, factory(params)) for every optimizer compared; with state_dtype, our
+    steps keeping their state in it too (those of our backends that can)."""
     out = []
+    if state_dtype is not None:
+        for backend in ("fused", "foreach"):
+            suffix = state_label(state_dtype)
+            out.append((f"PNM[{backend}{suffix}]", "PNM", lambda ps, b=backend: PNM(
+                ps, lr=1e-3, betas=(0.9, 1.0), backend=b, state_dtype=state_dtype)))
+            out.append((f"AdaPNM[{backend}{suffix}]", "AdaPNM", lambda ps, b=backend: AdaPNM(
+                ps, lr=1e-3, amsgrad=True, backend=b, state_dtype=state_dtype)))
     for backend in available_backends(device):
         if backend == "triton" and device == "cpu":
             continue  # the Triton interpreter is a correctness tool, not a contender
@@ -136,7 +165,7 @@ def fits_in_memory(family_bytes, numel, dtype, device):
 
 
 def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
-              skip_compiled=True, copy_probe=None):
+              skip_compiled=True, copy_probe=None, state_dtype=None):
     """Every contender on one parameter set. All contenders share the parameters and
     gradients (their values do not change the work) and run interleaved, round by round,
     when all their states fit in memory together; otherwise one after the other. With a
@@ -148,7 +177,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         return [dict(set=name, label="(all)", family="-", numel=numel, tensors=len(shapes),
                      error="skipped: does not fit in this device's memory")]
     entries = []
-    for label, family, factory in contenders(device, dtype):
+    for label, family, factory in contenders(device, dtype, state_dtype):
         if label.endswith("[reference]") and (numel > ((64 if device == "cuda" else 16) << 20) or
                                               (device == "cuda" and len(shapes) > 200)):
             continue  # the eager per-parameter loop here only measures the host (and takes long)
@@ -217,7 +246,6 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         progress.advance(name, rounds)
     copy_gbps = copy_probe.gbps(statistics.median(copies)) if copies else None
     results = []
-    scale = torch.tensor([], dtype=dtype).element_size() / 4
     for run in runs:
         row = dict(set=name, label=run["label"], family=run["family"], numel=numel,
                    tensors=len(shapes))
@@ -227,7 +255,7 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
             t = statistics.median(run["times"])
             row.update(ms=t * 1e3, times_ms=[x * 1e3 for x in run["times"]],
                        host_ms=statistics.median(run["host_times"]) * 1e3,
-                       gbps=BYTES_PER_ELEMENT[run["family"]] * scale * numel / t / 1e9,
+                       gbps=bytes_per_element(run["label"], run["family"], dtype) * numel / t / 1e9,
                        state_bytes=run["state_bytes"], paired=run["interleaved"])
             if copy_gbps:
                 row.update(copy_gbps=copy_gbps, copy_samples=len(copies))
@@ -316,6 +344,10 @@ def write_table(results, info):
 # The figure: one style per way of running a step, the same in both panels, with its legend
 # entry. Ours (fused, Triton) first and drawn bold.
 KINDS = [("fused", "tab:red", "o", "pnm_kernels fused"),
+         ("fused,bf16 state", "darkred", "*", "pnm_kernels fused, bfloat16 state"),
+         ("fused,fp32 state", "darkred", "*", "pnm_kernels fused, float32 state"),
+         ("foreach,bf16 state", "peru", "s", "pnm_kernels foreach, bfloat16 state"),
+         ("foreach,fp32 state", "peru", "s", "pnm_kernels foreach, float32 state"),
          ("triton", "tab:purple", "D", "pnm_kernels Triton"),
          ("foreach", "tab:orange", "s", "pnm_kernels foreach"),
          ("reference", "tab:brown", "v", "pnm_kernels reference (per parameter)"),
@@ -376,7 +408,7 @@ def plot(results, info, path):
                     continue
                 color, marker = style[kind]
                 y = i + (j - (len(kinds) - 1) / 2) * 0.7 / max(len(kinds), 1)
-                mine = kind in ("fused", "triton")
+                mine = kind.split(",")[0] in ("fused", "triton")
                 ax.plot([1, row["time_vs_torch_fused"]], [y, y], color=color, lw=2 if mine else 0.8,
                         alpha=0.9 if mine else 0.5)
                 ax.plot(row["time_vs_torch_fused"], y, marker=marker, color=color,
@@ -384,7 +416,8 @@ def plot(results, info, path):
                         linestyle="none")
                 if kind not in shown:
                     shown.append(kind)
-            mine = [f"{k} {r['time_vs_torch_fused']:.2f}×" for k in ("fused", "triton")
+            mine = [f"{k} {r['time_vs_torch_fused']:.2f}×" for k in
+                    ("fused", "triton", "fused,bf16 state", "fused,fp32 state")
                     for r in rows if r["set"] == name and kind_of(r["label"]) == k]
             ours.append(" / ".join(mine) or "–")
         for i in range(len(sets) - 1):
@@ -414,8 +447,9 @@ def plot(results, info, path):
                  f"{info_line}", fontsize=10)
     names = {k: name for k, _, _, name in KINDS}
     handles = [Line2D([], [], color=style[k][0], marker=style[k][1], linestyle="-",
-                      markersize=8 if k in ("fused", "triton") else 6,
-                      markeredgecolor="black" if k in ("fused", "triton") else style[k][0],
+                      markersize=8 if k.split(",")[0] in ("fused", "triton") else 6,
+                      markeredgecolor="black" if k.split(",")[0] in ("fused", "triton")
+                      else style[k][0],
                       label=names[k]) for k in names if k in shown]
     fig.legend(handles=handles, loc="upper center", bbox_to_anchor=(0.5, 0.0), ncol=min(5, len(shown) or 1),
                fontsize=8, frameon=False)
@@ -432,6 +466,9 @@ def main(argv=None):
     parser.add_argument("--dtype", choices=["float32", "bfloat16", "float16", "float64"],
                         default="float32")
     parser.add_argument("--sets", help=f"comma-separated, from {', '.join(SETS)}")
+    parser.add_argument("--state-dtype", choices=list(STATE_NAMES),
+                        help="add PNM/AdaPNM keeping their state in this dtype (state_dtype; "
+                             "fused where its kernel keeps it, and foreach), beside the rest")
     parser.add_argument("--out", default=OUT, help="where the table, JSON and figure go "
                         "(default benchmarks/out/, which git ignores; the tables kept in the "
                         "tree are in benchmarks/results/)")
@@ -453,6 +490,7 @@ def main(argv=None):
                              "other launch shapes")
     args = parser.parse_args(argv)
     device, dtype = args.device, getattr(torch, args.dtype)
+    state_dtype = getattr(torch, args.state_dtype) if args.state_dtype else None
     if device == "cuda" and not torch.cuda.is_available():
         parser.error("--device cuda: no CUDA device is available")
     names = args.sets.split(",") if args.sets else (QUICK_SETS if args.quick else DEFAULT_SETS)[device]
@@ -464,6 +502,8 @@ def main(argv=None):
     steps_per_round = 2 if args.quick else (10 if device == "cuda" else 3)
     info = machine_info(device, args)
     info["dtype"] = args.dtype
+    if state_dtype is not None:
+        info["state_dtype"] = args.state_dtype
     if args.triton_configs:
         from pnm_kernels.backends.triton_kernels import set_launch_config
         configs = load_triton_configs(args.triton_configs)
@@ -496,7 +536,8 @@ def main(argv=None):
     try:
         for name in names:
             results += bench_set(name, SETS[name](), device, dtype, rounds, steps_per_round,
-                                 progress, skip_compiled=not args.compiled, copy_probe=copy_probe)
+                                 progress, skip_compiled=not args.compiled, copy_probe=copy_probe,
+                                 state_dtype=state_dtype)
     finally:
         for log, level in zip(quiet, levels):
             log.setLevel(level)
@@ -510,7 +551,8 @@ def main(argv=None):
     table = write_table(results, info)
     print(table)
     os.makedirs(args.out, exist_ok=True)
-    tag = f"{device}-{args.dtype}{'-quick' if args.quick else ''}"
+    tag = (f"{device}-{args.dtype}{'-' + args.state_dtype + '-state' if state_dtype else ''}"
+           f"{'-quick' if args.quick else ''}")
     with open(os.path.join(args.out, f"bench_step-{tag}.json"), "w") as f:
         json.dump(dict(machine=info, copy_gbps=copy_gbps, copy_gbps_per_set=copy_summary(results),
                        dtype=args.dtype, results=results), f, indent=1)

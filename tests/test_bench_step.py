@@ -38,6 +38,23 @@ def test_quick_run_writes_table_json_and_png(tmp_path, capsys):
     assert "| set | optimizer |" in capsys.readouterr().out
 
 
+@requires_extension
+def test_state_dtype_adds_our_steps_with_that_state_and_counts_its_bytes(tmp_path):
+    """--state-dtype bfloat16: PNM/AdaPNM with bfloat16 state beside the rest, their bytes per
+    element those of 2-byte buffers (PNM 3 x 4 + 3 x 2 = 18, AdaPNM-AMSGrad 3 x 4 + 7 x 2 = 26)
+    and their state half the bytes of float32 state."""
+    bench_step.main(["--quick", "--device", "cpu", "--sets", "flat1M", "--rounds", "1",
+                     "--state-dtype", "bfloat16", "--out", str(tmp_path)])
+    record = json.loads((tmp_path / "bench_step-cpu-float32-bfloat16-state-quick.json").read_text())
+    rows = {r["label"]: r for r in record["results"] if "error" not in r}
+    for family, bytes_moved in (("PNM", 18), ("AdaPNM", 26)):
+        ours, plain = rows[f"{family}[fused,bf16 state]"], rows[f"{family}[fused]"]
+        assert ours["gbps"] * ours["ms"] / 1e3 == pytest.approx(bytes_moved * (1 << 20) / 1e9)
+        assert ours["state_bytes"] < plain["state_bytes"] / 2 + 4096  # + seeds and counters
+        assert f"{family}[foreach,bf16 state]" in rows
+    assert (tmp_path / "bench_step-cpu-float32-bfloat16-state-quick.png").exists()
+
+
 def test_the_copy_bandwidth_is_timed_in_every_round_and_kept_per_set(tmp_path):
     """The % of copy bandwidth divides by a copy timed beside the contenders in each round
     (the median of the set's rounds), not by one copy timed before the run."""
@@ -195,6 +212,9 @@ def test_noisy_labels_example_runs(tmp_path):
     for curves in results.values():
         assert len(curves[0]["test"]) == 2 and 0 <= curves[0]["memorised"][-1] <= 1
     assert (tmp_path / "noisy_labels.png").read_bytes()[:4] == b"\x89PNG"
+    with_state = noisy_labels.main(["--seeds", "1", "--epochs", "1", "--optimizers", "PNM",
+                                    "--state-dtypes", "none,bfloat16", "--out", str(tmp_path)])
+    assert set(with_state) == {"PNM"}  # the bfloat16-state run is in the printed table
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not hasattr(torch.cpu.Stream, "record_event"),

@@ -212,6 +212,54 @@ def test_bfloat16_state_moves_the_parameters_as_far_as_float32_state(cls, betas)
     assert error(nearest) > 0.03
 
 
+def _loss_curve(cls, seed, param_dtype, state_dtype, lr, steps=250):
+    """Minibatch training of a small MLP on a noisy teacher's labels; the loss per step,
+    smoothed over 20 steps. The seed picks the data, the initialisation and the batches."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(1024, 32, generator=gen)
+    y = (x @ torch.randn(32, 10, generator=gen) + 0.5 * torch.randn(1024, 10, generator=gen)).argmax(1)
+    torch.manual_seed(seed)
+    model = torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.GELU(),
+                                torch.nn.Linear(64, 10)).to(param_dtype)
+    opt = cls(model.parameters(), lr=lr, state_dtype=state_dtype)
+    losses = []
+    for _ in range(steps):
+        batch = torch.randint(0, 1024, (64,), generator=gen)
+        loss = torch.nn.functional.cross_entropy(model(x[batch].to(param_dtype)).float(), y[batch])
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        losses.append(loss.item())
+    return torch.nn.functional.avg_pool1d(torch.tensor(losses)[None, None], 20, 1)[0, 0]
+
+
+def _nmse(a, b):
+    return (((a - b) ** 2).mean() / (b - b.mean()).pow(2).mean()).item()
+
+
+def _correlation(a, b):
+    return torch.corrcoef(torch.stack([a, b]))[0, 1].item()
+
+
+@pytest.mark.parametrize("cls,lr", [(PNM, 0.3), (AdaPNM, 3e-3)], ids=["PNM", "AdaPNM"])
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+def test_bfloat16_state_trains_as_float32_state_over_three_seeds(cls, lr, param_dtype):
+    """Training equivalence: over three seeds, bfloat16 state's loss curve stays closer to
+    float32 state's of the same seed than float32 state's curves of two seeds are to each
+    other (normalised mean squared error below, correlation above, the smallest seed-to-seed
+    spread): the compression moves training less than a change of seed does."""
+    seeds = range(3)
+    exact = [_loss_curve(cls, s, param_dtype, torch.float32, lr) for s in seeds]
+    compressed = [_loss_curve(cls, s, param_dtype, torch.bfloat16, lr) for s in seeds]
+    pairs = [(a, b) for a in seeds for b in seeds if a != b]
+    nmse_between_seeds = min(_nmse(exact[a], exact[b]) for a, b in pairs)
+    correlation_between_seeds = min(_correlation(exact[a], exact[b]) for a, b in pairs)
+    for s in seeds:
+        assert _nmse(compressed[s], exact[s]) < nmse_between_seeds
+        assert _correlation(compressed[s], exact[s]) > correlation_between_seeds
+    assert exact[0][-1] < exact[0][0] - 0.1  # it learns
+
+
 # -- checkpoints --------------------------------------------------------------------------
 
 def _round_trip(state_dict):

@@ -3,6 +3,9 @@ that ships with scikit-learn): with 40 % symmetric label noise, does PNM with a 
 memorise fewer noisy labels and reach a higher test accuracy than SGD with momentum?
 
     python benchmarks/examples/noisy_labels.py [--seeds 2] [--epochs 150] [--noise 0.4] [--out DIR]
+        [--optimizers SGD,SGD-slow,PNM] [--state-dtypes none,bfloat16]
+
+--state-dtypes runs PNM once per state dtype (state_dtype; "none": the parameters' float32).
 
 Learning rates follow the paper's convention: PNM gets SGD's lr, converted from torch's
 summed momentum (a step of lr/(1-b1) times the averaged gradient) to PNM's averaged (EMA)
@@ -42,22 +45,23 @@ def load_data(noise, seed):
     return x[train], y_train, y[train], flip, x[test], y[test]
 
 
-def make_optimizer(name, params, lr, b1, b0):
+def make_optimizer(name, params, lr, b1, b0, state_dtype=None):
     if name == "SGD":
         return torch.optim.SGD(params, lr=lr, momentum=b1, weight_decay=5e-4)
     if name == "SGD-slow":  # control: SGD whose drift equals PNM's (lr divided by noise_norm)
         return torch.optim.SGD(params, lr=lr / noise_norm(b0), momentum=b1, weight_decay=5e-4)
-    return PNM(params, lr=lr / (1 - b1), betas=(b1, b0), weight_decay=5e-4, decoupled=False)
+    return PNM(params, lr=lr / (1 - b1), betas=(b1, b0), weight_decay=5e-4, decoupled=False,
+               state_dtype=state_dtype)
 
 
-def run(name, seed, args, device):
+def run(name, seed, args, device, state_dtype=None):
     x, y_noisy, y_clean, flipped, x_test, y_test = load_data(args.noise, seed)
     x, y_noisy, x_test, y_test = (t.to(device) for t in (x, y_noisy, x_test, y_test))
     torch.manual_seed(seed)
     model = torch.nn.Sequential(torch.nn.Linear(64, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 256), torch.nn.ReLU(),
                                 torch.nn.Linear(256, 10)).to(device)
-    opt = make_optimizer(name, model.parameters(), args.lr, 0.9, args.b0)
+    opt = make_optimizer(name, model.parameters(), args.lr, 0.9, args.b0, state_dtype)
     sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=args.epochs)
     gen = torch.Generator().manual_seed(seed)
     curves = {"test": [], "memorised": []}
@@ -86,15 +90,21 @@ def main(argv=None):
     parser.add_argument("--lr", type=float, default=0.05, help="SGD's lr (PNM: lr/(1-b1))")
     parser.add_argument("--b0", type=float, default=3.0, help="PNM's positive-negative coefficient")
     parser.add_argument("--batch", type=int, default=32)
+    parser.add_argument("--optimizers", default="SGD,SGD-slow,PNM")
+    parser.add_argument("--state-dtypes", default="none",
+                        help="comma-separated state dtypes PNM runs with: none, float32, bfloat16")
     parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results"))
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    names = ["SGD", "SGD-slow", "PNM"]
-    results = {n: [] for n in names}
-    total, done, start = len(names) * args.seeds, 0, time.time()
+    # (optimizer, state dtype) pairs: PNM once per --state-dtypes entry
+    state_dtypes = [None if d == "none" else getattr(torch, d) for d in args.state_dtypes.split(",")]
+    runs = [(name, sd) for name in args.optimizers.split(",")
+            for sd in (state_dtypes if name == "PNM" else [None])]
+    results = {r: [] for r in runs}
+    total, done, start = len(runs) * args.seeds, 0, time.time()
     for seed in range(args.seeds):
-        for name in names:
-            results[name].append(run(name, seed, args, device))
+        for name, sd in runs:
+            results[(name, sd)].append(run(name, seed, args, device, sd))
             done += 1
             sys.stderr.write(f"\r[{'#' * (20 * done // total):<20}] {done}/{total} runs "
                              f"{time.time() - start:4.0f}s")
@@ -102,13 +112,17 @@ def main(argv=None):
     print(f"digits, {args.noise:.0%} symmetric label noise, {args.epochs} epochs, device {device}")
     print("| optimizer | seed | final test acc | best test acc | noisy labels memorised |")
     print("|---|---|---|---|---|")
-    for name in names:
+    for name, sd in runs:
         label = {"SGD": "SGD", "SGD-slow": f"SGD, lr/{noise_norm(args.b0):.2f}",
                  "PNM": f"PNM (b0={args.b0})"}[name]
-        for seed, c in enumerate(results[name]):
+        if sd is not None:
+            label += f", {str(sd).replace('torch.', '')} state"
+        curves = results[(name, sd)]
+        for seed, c in enumerate(curves):
             print(f"| {label} | {seed} | {c['test'][-1]:.3f} | {max(c['test']):.3f} | {c['memorised'][-1]:.3f} |")
-        mean = lambda k: sum(c[k][-1] for c in results[name]) / len(results[name])  # noqa: E731
+        mean = lambda k: sum(c[k][-1] for c in curves) / len(curves)  # noqa: E731
         print(f"| {label} | mean | {mean('test'):.3f} | | {mean('memorised'):.3f} |")
+    results = {name: results[(name, None)] for name, sd in runs if sd is None}
     plot(results, args, os.path.join(args.out, "noisy_labels.png"))
     print(f"wrote {args.out}/noisy_labels.png")
     return results
@@ -122,7 +136,7 @@ def plot(results, args, path):
     os.makedirs(os.path.dirname(path), exist_ok=True)
     fig, axes = plt.subplots(1, 2, figsize=(10, 4))
     for name, color in (("SGD", "tab:blue"), ("SGD-slow", "tab:green"), ("PNM", "tab:red")):
-        for i, c in enumerate(results[name]):
+        for i, c in enumerate(results.get(name, [])):
             label = {"SGD": "SGD", "SGD-slow": "SGD, lr/noise_norm", "PNM": f"PNM b0={args.b0}"}[name]
             kw = dict(color=color, alpha=0.8, label=label if i == 0 else None)
             axes[0].plot(c["test"], **kw)
