@@ -181,6 +181,8 @@ def bench_set(name, shapes, device, dtype, rounds, steps_per_round, progress,
         if label.endswith("[reference]") and (numel > ((64 if device == "cuda" else 16) << 20) or
                                               (device == "cuda" and len(shapes) > 200)):
             continue  # the eager per-parameter loop here only measures the host (and takes long)
+        if "[foreach," in label and numel > (4 << 20):
+            continue  # the foreach rounding runs a dozen int64 passes: seconds a step here
         if "torch.compile" in label and (len(shapes) > 200 or skip_compiled):
             continue  # compiling a step over thousands of tensors takes minutes
         entries.append((label, family, factory))

@@ -21,17 +21,22 @@ namespace {
 
 constexpr int64_t kCpuChunk = 1 << 15;  // as cpu_kernel.cpp: the fewest elements a thread
 
-// A buffer element stored in the state's dtype: bfloat16 with the element's random bits,
-// float32 as it is.
-PNM_CPU_INLINE void store_state(c10::BFloat16* a, int64_t i, float v, uint32_t key,
-                                uint32_t index_lo) {
-  a[i].x = bf16_bits_stochastic(bit_cast<uint32_t>(v), random_bits(key, index_lo));
+// A buffer element stored in the state's dtype: bfloat16 with 16 random bits (the low half
+// of `bits`), float32 as it is.
+PNM_CPU_INLINE void store_state(c10::BFloat16* a, int64_t i, float v, uint32_t bits) {
+  a[i].x = bf16_bits_stochastic(v, bit_cast<uint32_t>(v), bits);
 }
-PNM_CPU_INLINE void store_state(float* a, int64_t i, float v, uint32_t, uint32_t) { a[i] = v; }
+PNM_CPU_INLINE void store_state(float* a, int64_t i, float v, uint32_t) { a[i] = v; }
+
+// Each element's hash, only where a buffer rounds with it (float32 state does not).
+template <typename S>
+PNM_CPU_INLINE uint32_t hash_for(uint32_t key, uint32_t index_lo) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) return element_hash(key, index_lo);
+  return 0;
+}
 
 // One tensor of one step: its lists (parity applied: buf[0] is this step's momentum buffer),
-// coefficients and the rounding keys of the buffers it writes, for the elements whose index
-// in the whole parameter has the high 32 bits `index_hi` (the keys of others are derived).
+// coefficients and what picks its random bits.
 template <typename T, typename S>
 struct StateWork {
   T* param;
@@ -39,19 +44,22 @@ struct StateWork {
   S* buf[4];  // m, m_other, v, v_max
   Coeffs<float> coeffs;
   int64_t offset;  // elements of the whole parameter before this tensor (a shard)
-  uint32_t seed, step, m_slot;
+  uint32_t seed, step;
 };
 
+// The element index's low 32 bits run as a uint32 counter beside i: derived from the int64
+// i, GCC widened every lane to 64 bits and narrowed it back.
 template <bool kDecoupled, typename T, typename S>
 PNM_CPU_INLINE void pnm_state_loop(T* __restrict__ p, const T* __restrict__ g,
                                    S* __restrict__ m, const S* __restrict__ m_other, int64_t n,
                                    const Coeffs<float> coeffs, float gf, uint32_t key,
                                    uint32_t index_lo) {
-  for (int64_t i = 0; i < n; ++i) {
+  uint32_t lo = index_lo;
+  for (int64_t i = 0; i < n; ++i, ++lo) {
     float pi = load(p, i), mi = load(m, i);
     pnm_element<kDecoupled>(pi, load(g, i) * gf, mi, load(m_other, i), coeffs);
     store(p, i, pi);
-    store_state(m, i, mi, key, index_lo + static_cast<uint32_t>(i));
+    store_state(m, i, mi, hash_for<S>(key, lo) >> 16);
   }
 }
 
@@ -59,18 +67,19 @@ template <bool kDecoupled, bool kAmsgrad, typename T, typename S>
 PNM_CPU_INLINE void adapnm_state_loop(T* __restrict__ p, const T* __restrict__ g,
                                       S* __restrict__ m, const S* __restrict__ m_other,
                                       S* __restrict__ v, S* __restrict__ v_max, int64_t n,
-                                      const Coeffs<float> coeffs, float gf, uint32_t key_m,
-                                      uint32_t key_v, uint32_t key_v_max, uint32_t index_lo) {
-  for (int64_t i = 0; i < n; ++i) {
+                                      const Coeffs<float> coeffs, float gf, uint32_t key,
+                                      uint32_t index_lo) {
+  uint32_t lo = index_lo;
+  for (int64_t i = 0; i < n; ++i, ++lo) {
     float pi = load(p, i), mi = load(m, i), vi = load(v, i);
     float vmi = kAmsgrad ? load(v_max, i) : 0.0f;
     adapnm_element<kDecoupled, kAmsgrad>(pi, load(g, i) * gf, mi, load(m_other, i), vi, vmi,
                                          coeffs);
-    const uint32_t lo = index_lo + static_cast<uint32_t>(i);
+    const uint32_t h = hash_for<S>(key, lo);
     store(p, i, pi);
-    store_state(m, i, mi, key_m, lo);
-    store_state(v, i, vi, key_v, lo);
-    if constexpr (kAmsgrad) store_state(v_max, i, vmi, key_v_max, lo);
+    store_state(m, i, mi, h >> 16);
+    store_state(v, i, vi, h & 0xFFFFu);
+    if constexpr (kAmsgrad) store_state(v_max, i, vmi, h & 0xFFFFu);
   }
 }
 
@@ -82,18 +91,15 @@ PNM_CPU_INLINE void state_range_body(const StateWork<T, S>& w, int64_t begin, in
   const uint64_t first = static_cast<uint64_t>(w.offset + begin);
   const auto hi = static_cast<uint32_t>(first >> 32);
   const auto lo = static_cast<uint32_t>(first);
-  const uint32_t key_m = rounding_key(w.seed, w.step, w.m_slot, hi);
+  const uint32_t key = rounding_key(w.seed, w.step, hi);
   const int64_t n = end - begin;
   if constexpr (!Algo::kAdaptive) {
     pnm_state_loop<Algo::kDecoupled>(w.param + begin, w.grad + begin, w.buf[0] + begin,
-                                     w.buf[1] + begin, n, w.coeffs, gf, key_m, lo);
+                                     w.buf[1] + begin, n, w.coeffs, gf, key, lo);
   } else {
-    const uint32_t key_v = rounding_key(w.seed, w.step, 2, hi);
-    const uint32_t key_v_max = rounding_key(w.seed, w.step, 3, hi);
     adapnm_state_loop<Algo::kDecoupled, Algo::kAmsgrad>(
         w.param + begin, w.grad + begin, w.buf[0] + begin, w.buf[1] + begin, w.buf[2] + begin,
-        Algo::kAmsgrad ? w.buf[3] + begin : nullptr, n, w.coeffs, gf, key_m, key_v,
-        key_v_max, lo);
+        Algo::kAmsgrad ? w.buf[3] + begin : nullptr, n, w.coeffs, gf, key, lo);
   }
 }
 
@@ -163,7 +169,6 @@ void run_state_step(const StepCall& call, const StepArgs& args) {
       w.seed = 0;
     }
     w.step = static_cast<uint32_t>(static_cast<uint64_t>(step));
-    w.m_slot = odd ? 0u : 1u;  // the buffer written: pos_momentum/exp_avg on odd steps
     offsets[i + 1] = offsets[i] + call.lists[0][i].numel();
   }
   at::parallel_for(0, offsets[n], kCpuChunk, [&](int64_t lo, int64_t hi) {

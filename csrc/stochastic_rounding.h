@@ -19,27 +19,26 @@ PNM_HOST_DEVICE uint32_t mix32(uint32_t x) {
   return x;
 }
 
-// The key of one buffer of one parameter at step t, for the elements whose index in the
-// whole parameter has these high 32 bits: one per tensor a step (and per 2^32 elements).
-PNM_HOST_DEVICE uint32_t rounding_key(uint32_t seed, uint32_t step, uint32_t slot,
-                                      uint32_t index_hi) {
-  uint32_t key = mix32(slot + 4u * index_hi + 0x9E3779B9u);
+// The key of one parameter at step t, for the elements whose index in the whole parameter
+// has these high 32 bits: one per tensor a step (and per 2^32 elements).
+PNM_HOST_DEVICE uint32_t rounding_key(uint32_t seed, uint32_t step, uint32_t index_hi) {
+  uint32_t key = mix32(index_hi + 0x9E3779B9u);
   key = mix32(key ^ step);
   return mix32(key ^ seed);
 }
 
-// The 16 random bits of the element whose index has these low 32 bits.
-PNM_HOST_DEVICE uint32_t random_bits(uint32_t key, uint32_t index_lo) {
-  return mix32(index_lo ^ key) >> 16;
+// The element's hash: its high 16 bits round the momentum buffer a step writes, its low 16
+// the second moment and its maximum (pnm_kernels/rounding.py, HASH_SHIFT).
+PNM_HOST_DEVICE uint32_t element_hash(uint32_t key, uint32_t index_lo) {
+  return mix32(index_lo ^ key);
 }
 
-// v's bit pattern rounded to bfloat16 with the random bits: up with probability equal to
-// the fraction cut off. Infinities and NaN round to nearest (NaN to 0x7FC0, as c10 does).
-PNM_HOST_DEVICE uint16_t bf16_bits_stochastic(uint32_t u, uint32_t bits) {
-  const bool finite = (u & 0x7F800000u) != 0x7F800000u;
-  const bool nan = !finite && (u & 0x007FFFFFu) != 0;
-  const uint16_t rounded = static_cast<uint16_t>((u + bits) >> 16);
-  return finite ? rounded : (nan ? static_cast<uint16_t>(0x7FC0) : static_cast<uint16_t>(u >> 16));
+// v's bits rounded to bfloat16 with 16 random bits (in the low half of `bits`): up with
+// probability equal to the fraction cut off. An infinity stays itself (its mantissa is
+// zero: no carry); NaN becomes 0x7FC0, as c10 makes it.
+PNM_HOST_DEVICE uint16_t bf16_bits_stochastic(float v, uint32_t u, uint32_t bits) {
+  const auto rounded = static_cast<uint16_t>((u + bits) >> 16);
+  return v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
 }
 
 }  // namespace pnm

@@ -14,7 +14,7 @@ import math
 
 import torch
 
-from .rounding import SLOTS, store_stochastic
+from .rounding import HASH_SHIFT, store_stochastic
 
 
 def noise_norm(beta0: float) -> float:
@@ -60,7 +60,7 @@ def _in_float32(step, param, grad, state, names, offset, **hyper):
     for name in names:
         if state[name].dtype == torch.bfloat16:
             store_stochastic(state[name], work[name], seed=int(state["seed"].item()), step=t,
-                             slot=SLOTS[name], offset=offset)
+                             shift=HASH_SHIFT[name], offset=offset)
         elif work[name] is not state[name]:
             state[name].copy_(work[name])
     if param32 is not param:

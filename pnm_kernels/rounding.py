@@ -3,21 +3,24 @@ with them (docs/design.md §7). The ground truth, in torch ops: pnm_kernels/refe
 rounds with these functions, and every kernel computes the same bits.
 
 The random bits are counter-based, not drawn from a generator: a hash of the parameter's
-seed (state["seed"]), its step, the buffer's slot and the element's index in the whole,
-unsharded parameter. So a step is reproducible, capturable in a CUDA graph, the same on
-every backend, and the same whether the parameter is sharded along dim 0 (FSDP2) or not.
+seed (state["seed"]), its step and the element's index in the whole, unsharded parameter. So
+a step is reproducible, capturable in a CUDA graph, the same on every backend, and the same
+whether the parameter is sharded along dim 0 (FSDP2) or not.
 
-    key(seed, t, slot, hi) = mix32(seed ^ mix32(t ^ mix32(slot + 4 * hi + GOLDEN)))
-    bits(i)                = mix32(lo ^ key(seed, t, slot, hi)) >> 16      (16 random bits)
+    key(seed, t, hi) = mix32(seed ^ mix32(t ^ mix32(hi + GOLDEN)))
+    hash(i)          = mix32(lo ^ key(seed, t, hi))
 
 with i = hi * 2^32 + lo, t the step after its increment, modulo 2^32, and mix32 the
 xorshift-multiply hash "lowbias32" (C. Wellons' hash-prospector), all in uint32 arithmetic.
+One hash an element a step: its high 16 bits round the momentum buffer the step writes, its
+low 16 bits the second moment and, with the same bits, its running maximum (so that a stored
+maximum taken from the new second moment equals the stored second moment).
 
-Stochastic rounding of an fp32 value x to bf16: (bits(x) + bits(i)) with its low 16 bits
-cleared, for finite x (a carry out of the mantissa rounds up to the next binade, or to inf
-past the largest bf16); inf and NaN round to nearest (NaN becomes bf16's 0x7FC0). So x
-rounds up with probability (x - down) / (up - down): unbiased, where round-to-nearest lets an
-average with a small update (b1 = 0.999) stall at a fraction of its value.
+Stochastic rounding of an fp32 value x to bf16: (bits(x) + 16 random bits) with its low 16
+bits cleared (a carry out of the mantissa rounds up to the next binade, or to inf past the
+largest bf16; an infinity stays itself); NaN becomes bf16's NaN. So x rounds up with
+probability (x - down) / (up - down): unbiased, where round-to-nearest lets an average with a
+small update (b1 = 0.999) stall at a fraction of its value.
 """
 import torch
 
@@ -26,9 +29,9 @@ MIX_MUL_1 = 0x21F0AAAD
 MIX_MUL_2 = 0xD35A2D97
 _LOW32 = 0xFFFFFFFF
 
-# Buffer slots: the kernel table order of each optimizer's buffers (backends/base.py).
-SLOTS = {"pos_momentum": 0, "neg_momentum": 1,
-         "exp_avg": 0, "neg_exp_avg": 1, "exp_avg_sq": 2, "max_exp_avg_sq": 3}
+# Which 16 bits of an element's hash round each buffer (the shift that brings them down).
+HASH_SHIFT = {"pos_momentum": 16, "neg_momentum": 16, "exp_avg": 16, "neg_exp_avg": 16,
+              "exp_avg_sq": 0, "max_exp_avg_sq": 0}
 
 
 def mix32_int(x: int) -> int:
@@ -66,13 +69,19 @@ def element_index(buffer: torch.Tensor, offset: int = 0) -> torch.Tensor:
     return torch.as_strided(count, buffer.shape, buffer.stride()) + offset
 
 
-def random_bits(seed: int, step: int, slot: int, index: torch.Tensor) -> torch.Tensor:
-    """The 16 random bits of each element (int64 tensor in [0, 2^16))."""
+def element_hash(seed, step, index: torch.Tensor) -> torch.Tensor:
+    """Each element's 32-bit hash (int64 tensor in [0, 2^32)). `seed` and `step` are ints or
+    int64 tensors (a traced step reads them on the device)."""
     hi, lo = index >> 32, index & _LOW32
-    key = mix32((slot + 4 * hi + GOLDEN) & _LOW32)
+    key = mix32((hi + GOLDEN) & _LOW32)
     key = mix32(key ^ (step & _LOW32))
     key = mix32(key ^ (seed & _LOW32))
-    return mix32(lo ^ key) >> 16
+    return mix32(lo ^ key)
+
+
+def random_bits(seed, step, shift: int, index: torch.Tensor) -> torch.Tensor:
+    """The 16 random bits that round a buffer (HASH_SHIFT) at each element: in [0, 2^16)."""
+    return (element_hash(seed, step, index) >> shift) & 0xFFFF
 
 
 def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -80,16 +89,16 @@ def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     u = x.view(torch.int32).to(torch.int64) & _LOW32
     rounded = ((u + bits) & 0xFFFF0000) >> 16  # in [0, 2^16): the bf16's bit pattern
     as_int16 = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
-    return torch.where(torch.isfinite(x), as_int16.view(torch.bfloat16), x.to(torch.bfloat16))
+    return torch.where(torch.isnan(x), x.to(torch.bfloat16), as_int16.view(torch.bfloat16))
 
 
 def store_stochastic(buffer: torch.Tensor, value: torch.Tensor, *, seed: int, step: int,
-                     slot: int, offset: int = 0) -> None:
+                     shift: int, offset: int = 0) -> None:
     """buffer (bfloat16) = value (float32), rounded stochastically with the bits of this
-    seed, step and slot at each element's index."""
-    bits = random_bits(seed, step, slot, element_index(buffer, offset))
+    seed and step (those `shift` picks) at each element's index."""
+    bits = random_bits(seed, step, shift, element_index(buffer, offset))
     buffer.copy_(round_bf16_stochastic(value.float(), bits))
 
 
-__all__ = ["SLOTS", "mix32", "mix32_int", "element_index", "random_bits",
+__all__ = ["HASH_SHIFT", "mix32", "mix32_int", "element_index", "element_hash", "random_bits",
            "round_bf16_stochastic", "store_stochastic"]

@@ -14,8 +14,8 @@ import torch
 from cases import OPTIMIZERS, STATE_MODES, STATE_DTYPE_PATHS, parametrize
 from conftest import assert_states_close
 from pnm_kernels import PNM, AdaPNM, _ops, reference
-from pnm_kernels.rounding import (element_index, mix32, mix32_int, random_bits,
-                                  round_bf16_stochastic)
+from pnm_kernels.rounding import (element_hash, element_index, mix32, mix32_int,
+                                  random_bits, round_bf16_stochastic)
 
 STEPS = 12
 
@@ -112,23 +112,29 @@ def test_mix32_on_tensors_is_the_hash_of_each_value():
     assert mix32_int(1) != 1 and len(set(got)) == len(values)  # a bijection that mixes
 
 
-def test_random_bits_differ_with_seed_step_slot_and_index_above_2_to_32():
+def test_random_bits_differ_with_seed_step_and_index_above_2_to_32():
     index = torch.arange(4096, dtype=torch.int64)
-    base = random_bits(7, 3, 0, index)
-    assert base.min() >= 0 and base.max() < 2**16
-    for other in (random_bits(8, 3, 0, index), random_bits(7, 4, 0, index),
-                  random_bits(7, 3, 1, index), random_bits(7, 3, 0, index + 2**32)):
+    base = element_hash(7, 3, index)
+    assert base.min() >= 0 and base.max() < 2**32
+    for other in (element_hash(8, 3, index), element_hash(7, 4, index),
+                  element_hash(7, 3, index + 2**32)):
         assert (other != base).float().mean() > 0.99
-    # roughly uniform: each of 16 bins of the 16 bits gets its share of 4096 draws
-    counts = torch.bincount(base >> 12, minlength=16).float()
-    assert (counts - 256).abs().max() < 4 * 16  # 4 sigma of a binomial(4096, 1/16)
+    # each half of the hash roughly uniform: each of 16 bins gets its share of 4096 draws,
+    # and the two halves (two buffers' bits) uncorrelated
+    for shift in (16, 0):
+        bits = random_bits(7, 3, shift, index)
+        assert torch.equal(bits, (base >> shift) & 0xFFFF)
+        counts = torch.bincount(bits >> 12, minlength=16).float()
+        assert (counts - 256).abs().max() < 4 * 16  # 4 sigma of a binomial(4096, 1/16)
+    high, low = (base >> 16).double(), (base & 0xFFFF).double()
+    assert abs(torch.corrcoef(torch.stack([high, low]))[0, 1]) < 4 / 64  # 4 sigma
 
 
 def test_stochastic_rounding_rounds_up_as_often_as_the_fraction_says():
     down = torch.tensor(1.0 + 2**-7)  # a bf16 value; the next one up is 1 + 2^-6
     for fraction in (0.0, 0.1, 0.5, 0.9):
         x = torch.full((20000,), float(down + fraction * 2**-7), dtype=torch.float32)
-        bits = random_bits(3, 1, 0, torch.arange(x.numel()))
+        bits = random_bits(3, 1, 16, torch.arange(x.numel()))
         rounded = round_bf16_stochastic(x, bits).float()
         assert set(rounded.unique().tolist()) <= {float(down), float(down + 2**-7)}
         up = (rounded > down).float().mean().item()

@@ -9,7 +9,7 @@ import torch
 
 from .. import reference
 from ..hyper import Hyper, coefficients
-from ..rounding import element_index, random_bits, round_bf16_stochastic
+from ..rounding import element_hash, element_index, round_bf16_stochastic
 from .base import Batch, HeldLists, Launch, Scaling
 from .reference import skip_step
 
@@ -92,12 +92,15 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
     for i, param in enumerate(batch.params):
         if work.params[i] is not param:
             param.copy_(work.params[i])
+        hashes = None
         for slot, (buffers, values) in enumerate(zip(batch.buffers, work.buffers)):
             buffer, value = buffers[i], values[i]
             if buffer.dtype == torch.bfloat16:
-                bits = random_bits(batch.seeds[i], batch.steps[i].to(torch.int64), slot,
-                                   element_index(buffer, batch.offsets[i]))
-                buffer.copy_(round_bf16_stochastic(value, bits))
+                if hashes is None:
+                    hashes = element_hash(batch.seeds[i], batch.steps[i].to(torch.int64),
+                                          element_index(buffer, batch.offsets[i]))
+                shift = 16 if slot < 2 else 0  # rounding.HASH_SHIFT, in table order
+                buffer.copy_(round_bf16_stochastic(value, (hashes >> shift) & 0xFFFF))
             elif value is not buffer:
                 buffer.copy_(value)
 

@@ -1,5 +1,5 @@
 """backend="reference": pnm_kernels.reference's per-parameter steps, the ground truth."""
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
@@ -23,18 +23,16 @@ class ReferenceBackend:
         if skip_step(scaling.found_inf):
             return
         names = ADAPNM_BUFFERS if hyper.adaptive else PNM_BUFFERS
-        common = dict(lr=float(hyper.lr), beta1=hyper.beta1, beta0=hyper.beta0,
-                      weight_decay=hyper.weight_decay, decoupled=hyper.decoupled,
-                      maximize=hyper.maximize, grad_scale=scaling.grad_scale)
-        if hyper.compressed(batch.params[0].dtype):
-            common.update(state_dtype=hyper.state_dtype)
+        common: dict[str, Any] = dict(
+            lr=float(hyper.lr), beta1=hyper.beta1, beta0=hyper.beta0,
+            weight_decay=hyper.weight_decay, decoupled=hyper.decoupled, maximize=hyper.maximize,
+            grad_scale=scaling.grad_scale, state_dtype=hyper.state_dtype)
         for i, (param, grad) in enumerate(zip(batch.params, batch.grads)):
             state = {name: buffers[i] for name, buffers in zip(names, batch.buffers)}
             state["step"] = batch.steps[i]
-            if batch.seeds:
+            if batch.seeds:  # bfloat16 state: its random bits' seed and index offset
                 state["seed"] = batch.seeds[i]
-            if batch.offsets:
-                common.update(offset=batch.offsets[i])
+                common["offset"] = batch.offsets[i]
             if hyper.adaptive:
                 reference.adapnm_step(param, grad, state, beta2=hyper.beta2, eps=hyper.eps,
                                       amsgrad=hyper.amsgrad, **common)
