@@ -28,10 +28,24 @@ PNM_CPU_INLINE void store_state(c10::BFloat16* a, int64_t i, float v, uint32_t b
 }
 PNM_CPU_INLINE void store_state(float* a, int64_t i, float v, uint32_t) { a[i] = v; }
 
-// Each element's hash, only where a buffer rounds with it (float32 state does not).
+// A parameter element stored in its dtype: to nearest, or (a bfloat16 parameter with
+// bf16_stochastic_round) stochastically with the low 16 bits of mix32(hash).
+template <typename T>
+PNM_CPU_INLINE void store_param(T* a, int64_t i, float v, bool stochastic, uint32_t hash) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (stochastic) {
+      a[i].x = bf16_bits_stochastic(v, bit_cast<uint32_t>(v), mix32(hash) & 0xFFFFu);
+      return;
+    }
+  }
+  store(a, i, v);
+}
+
+// Each element's hash, only where something rounds with it (float32 state of parameters
+// rounded to nearest does not). A loop-invariant test: GCC unswitches the loop on it.
 template <typename S>
-PNM_CPU_INLINE uint32_t hash_for(uint32_t key, uint32_t index_lo) {
-  if constexpr (std::is_same_v<S, c10::BFloat16>) return element_hash(key, index_lo);
+PNM_CPU_INLINE uint32_t hash_for(uint32_t key, uint32_t index_lo, bool param_stochastic) {
+  if (std::is_same_v<S, c10::BFloat16> || param_stochastic) return element_hash(key, index_lo);
   return 0;
 }
 
@@ -45,6 +59,7 @@ struct StateWork {
   Coeffs<float> coeffs;
   int64_t offset;  // elements of the whole parameter before this tensor (a shard)
   uint32_t seed, step;
+  bool param_stochastic;  // a bfloat16 parameter written stochastically
 };
 
 // The element index's low 32 bits run as a uint32 counter beside i: derived from the int64
@@ -53,13 +68,14 @@ template <bool kDecoupled, typename T, typename S>
 PNM_CPU_INLINE void pnm_state_loop(T* __restrict__ p, const T* __restrict__ g,
                                    S* __restrict__ m, const S* __restrict__ m_other, int64_t n,
                                    const Coeffs<float> coeffs, float gf, uint32_t key,
-                                   uint32_t index_lo) {
+                                   uint32_t index_lo, bool param_stochastic) {
   uint32_t lo = index_lo;
   for (int64_t i = 0; i < n; ++i, ++lo) {
     float pi = load(p, i), mi = load(m, i);
     pnm_element<kDecoupled>(pi, load(g, i) * gf, mi, load(m_other, i), coeffs);
-    store(p, i, pi);
-    store_state(m, i, mi, hash_for<S>(key, lo) >> 16);
+    const uint32_t h = hash_for<S>(key, lo, param_stochastic);
+    store_param(p, i, pi, param_stochastic, h);
+    store_state(m, i, mi, h >> 16);
   }
 }
 
@@ -68,15 +84,15 @@ PNM_CPU_INLINE void adapnm_state_loop(T* __restrict__ p, const T* __restrict__ g
                                       S* __restrict__ m, const S* __restrict__ m_other,
                                       S* __restrict__ v, S* __restrict__ v_max, int64_t n,
                                       const Coeffs<float> coeffs, float gf, uint32_t key,
-                                      uint32_t index_lo) {
+                                      uint32_t index_lo, bool param_stochastic) {
   uint32_t lo = index_lo;
   for (int64_t i = 0; i < n; ++i, ++lo) {
     float pi = load(p, i), mi = load(m, i), vi = load(v, i);
     float vmi = kAmsgrad ? load(v_max, i) : 0.0f;
     adapnm_element<kDecoupled, kAmsgrad>(pi, load(g, i) * gf, mi, load(m_other, i), vi, vmi,
                                          coeffs);
-    const uint32_t h = hash_for<S>(key, lo);
-    store(p, i, pi);
+    const uint32_t h = hash_for<S>(key, lo, param_stochastic);
+    store_param(p, i, pi, param_stochastic, h);
     store_state(m, i, mi, h >> 16);
     store_state(v, i, vi, h & 0xFFFFu);
     if constexpr (kAmsgrad) store_state(v_max, i, vmi, h & 0xFFFFu);
@@ -95,11 +111,13 @@ PNM_CPU_INLINE void state_range_body(const StateWork<T, S>& w, int64_t begin, in
   const int64_t n = end - begin;
   if constexpr (!Algo::kAdaptive) {
     pnm_state_loop<Algo::kDecoupled>(w.param + begin, w.grad + begin, w.buf[0] + begin,
-                                     w.buf[1] + begin, n, w.coeffs, gf, key, lo);
+                                     w.buf[1] + begin, n, w.coeffs, gf, key, lo,
+                                     w.param_stochastic);
   } else {
     adapnm_state_loop<Algo::kDecoupled, Algo::kAmsgrad>(
         w.param + begin, w.grad + begin, w.buf[0] + begin, w.buf[1] + begin, w.buf[2] + begin,
-        Algo::kAmsgrad ? w.buf[3] + begin : nullptr, n, w.coeffs, gf, key, lo);
+        Algo::kAmsgrad ? w.buf[3] + begin : nullptr, n, w.coeffs, gf, key, lo,
+        w.param_stochastic);
   }
 }
 
@@ -161,7 +179,8 @@ void run_state_step(const StepCall& call, const StepArgs& args) {
     for (int l = 2; l < Algo::kLists; ++l) w.buf[l - 2] = static_cast<S*>(call.lists[l][i].data_ptr());
     if (!odd) std::swap(w.buf[0], w.buf[1]);
     w.coeffs = make_coeffs<float>(args.hyper, lr, step, Algo::kAdaptive);
-    if constexpr (std::is_same_v<S, c10::BFloat16>) {  // float32 state rounds nothing
+    w.param_stochastic = std::is_same_v<T, c10::BFloat16> && call.bf16_stochastic_round;
+    if (!call.seeds.empty()) {  // what rounds stochastically (the op checked they are there)
       w.offset = call.offsets[i];
       w.seed = static_cast<uint32_t>(*static_cast<const int64_t*>(call.seeds[i].data_ptr()));
     } else {

@@ -121,14 +121,14 @@ std::vector<std::string> cpu_isas() {
        "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, Tensor[] seeds, int[] offsets, *, "   \
        "float lr, float beta1, float beta0, float weight_decay, bool decoupled, "             \
        "bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "                     \
-       "Tensor? found_inf=None) -> ()"
+       "Tensor? found_inf=None, bool bf16_stochastic_round=False) -> ()"
 #define ADAPNM_STATE_STEP_SCHEMA(name)                                                        \
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
        "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
        "Tensor(f!)[] steps, Tensor[] seeds, int[] offsets, *, float lr, float beta1, "        \
        "float beta2, float beta0, float eps, float weight_decay, bool amsgrad, "              \
        "bool decoupled, bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "     \
-       "Tensor? found_inf=None) -> ()"
+       "Tensor? found_inf=None, bool bf16_stochastic_round=False) -> ()"
 
 TORCH_LIBRARY(pnm_kernels, m) {
   m.def(PNM_STEP_SCHEMA("pnm_step_"));

@@ -66,12 +66,13 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
     TORCH_CHECK(device_type == c10::DeviceType::CPU,
                 "pnm_kernels: state in its own dtype is stepped on the CPU only");
     TORCH_CHECK(dtype != at::kDouble, "pnm_kernels: float64 parameters keep float64 state");
+    const bool param_stochastic = call.bf16_stochastic_round && dtype == at::kBFloat16;
     TORCH_CHECK(state_dtype == at::kBFloat16 || (state_dtype == at::kFloat && dtype != at::kFloat),
                 "pnm_kernels: ", names[2], "[0] has dtype ", state_dtype, " beside ", dtype,
                 " parameters; the state ops keep bfloat16 state, or float32 state of 16-bit "
                 "parameters");
-    // Rounding to bfloat16 needs each parameter's seed and offset; float32 state none.
-    const size_t wanted = state_dtype == at::kBFloat16 ? n : 0;
+    // Rounding to bfloat16 stochastically needs each parameter's seed and offset.
+    const size_t wanted = state_dtype == at::kBFloat16 || param_stochastic ? n : 0;
     TORCH_CHECK(call.seeds.size() == wanted && call.offsets.size() == wanted, "pnm_kernels: ",
                 call.seeds.size(), " seeds and ", call.offsets.size(), " offsets for ", n,
                 " params with ", state_dtype, " state (", wanted, " of each wanted)");
@@ -156,11 +157,13 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& grad_scale,
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type,
-                       at::TensorList seeds, at::IntArrayRef offsets, bool own_state_dtype) {
+                       at::TensorList seeds, at::IntArrayRef offsets, bool own_state_dtype,
+                       bool bf16_stochastic_round) {
   StepCall call = common_call(params, grads, pos_momentums, neg_momentums, steps, lr,
                               lr_tensor, grad_scale, found_inf, blocks_done, decoupled);
   call.num_lists = 4;
   call.own_state_dtype = own_state_dtype;
+  call.bf16_stochastic_round = bf16_stochastic_round;
   call.seeds = seeds;
   call.offsets = offsets;
   call.hyper = Hyper{beta1, 0.0, beta0, 0.0, weight_decay, maximize};
@@ -178,10 +181,12 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& found_inf,
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type, at::TensorList seeds,
-                          at::IntArrayRef offsets, bool own_state_dtype) {
+                          at::IntArrayRef offsets, bool own_state_dtype,
+                          bool bf16_stochastic_round) {
   StepCall call = common_call(params, grads, exp_avgs, neg_exp_avgs, steps, lr, lr_tensor,
                               grad_scale, found_inf, blocks_done, decoupled);
   call.own_state_dtype = own_state_dtype;
+  call.bf16_stochastic_round = bf16_stochastic_round;
   call.seeds = seeds;
   call.offsets = offsets;
   call.num_lists = amsgrad ? 6 : 5;

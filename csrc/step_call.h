@@ -30,6 +30,7 @@ struct StepCall {
   // State in a dtype of its own (the *_state_ ops, docs/design.md §7): the buffers' dtype,
   // each parameter's seed (int64) and the elements of the whole parameter before it.
   bool own_state_dtype = false;
+  bool bf16_stochastic_round = false;  // bfloat16 parameters written stochastically too
   at::TensorList seeds;
   at::IntArrayRef offsets;
 
@@ -45,7 +46,7 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type,
                        at::TensorList seeds = {}, at::IntArrayRef offsets = {},
-                       bool own_state_dtype = false);
+                       bool own_state_dtype = false, bool bf16_stochastic_round = false);
 
 StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
@@ -57,7 +58,8 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& found_inf,
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type, at::TensorList seeds = {},
-                          at::IntArrayRef offsets = {}, bool own_state_dtype = false);
+                          at::IntArrayRef offsets = {}, bool own_state_dtype = false,
+                          bool bf16_stochastic_round = false);
 
 // Same memory layout: equal strides on every dimension that has more than one element.
 inline bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
@@ -176,11 +178,11 @@ void pnm_state_step_op(at::TensorList params, at::TensorList grads,
                        double lr, double beta1, double beta0, double weight_decay,
                        bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
                        const std::optional<at::Tensor>& grad_scale,
-                       const std::optional<at::Tensor>& found_inf) {
-  const StepCall call =
-      make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
-                    weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
-                    std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true);
+                       const std::optional<at::Tensor>& found_inf, bool bf16_stochastic_round) {
+  const StepCall call = make_pnm_call(
+      params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0, weight_decay,
+      decoupled, maximize, lr_tensor, grad_scale, found_inf, std::nullopt, Impl::kDevice, seeds,
+      offsets, /*own_state_dtype=*/true, bf16_stochastic_round);
   bump_versions(call);
   Impl::run(call);
 }
@@ -194,11 +196,13 @@ void adapnm_state_step_op(at::TensorList params, at::TensorList grads, at::Tenso
                           double weight_decay, bool amsgrad, bool decoupled, bool maximize,
                           const std::optional<at::Tensor>& lr_tensor,
                           const std::optional<at::Tensor>& grad_scale,
-                          const std::optional<at::Tensor>& found_inf) {
+                          const std::optional<at::Tensor>& found_inf,
+                          bool bf16_stochastic_round) {
   const StepCall call = make_adapnm_call(
       params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
       beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
-      found_inf, std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true);
+      found_inf, std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true,
+      bf16_stochastic_round);
   bump_versions(call);
   Impl::run(call);
 }

@@ -11,7 +11,7 @@ from .backends.base import Batch, HeldLists, held_lists_ok
 from .backends.layout import dense_like
 import torch
 
-from .hyper import compressed_state
+from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .state import BufferShapeError, ParamState, StateWatch, ensure_state
@@ -69,7 +69,8 @@ class BatchCache:
         simple = counted and not writebacks and (not shards or all(map(shard_holdable, params)))
         # Lists for state in a dtype of its own are not held: its kernel takes seeds too.
         if (simple and BACKENDS[backend].holds_lists
-                and not compressed_state(group["state_dtype"], params[0].dtype)):
+                and not steps_in_float32(group["state_dtype"], group["bf16_stochastic_round"],
+                                         params[0].dtype)):
             version = self.version(optimizer)
             for key in [k for k, (v, _) in self._entries.items() if v != version]:
                 del self._entries[key]  # stale: holds tensors the state may have replaced
@@ -90,7 +91,7 @@ class BatchCache:
         batch, writebacks = kernel_batch(params, [p.grad for p in params],
                                          [[state[name] for state in states] for name in names],
                                          [state["step"] for state in states], flat)
-        if group["state_dtype"] == torch.bfloat16:
+        if needs_seed(group["state_dtype"], group["bf16_stochastic_round"], params[0].dtype):
             batch.seeds = [state["seed"] for state in states]
             batch.offsets = [element_offset(p) for p in params]
         return batch, writebacks, all(type(state) is ParamState for state in states)
@@ -101,7 +102,7 @@ class BatchCache:
         Another shape is an error."""
         state_dtype = group["state_dtype"]
         seed = None
-        if state_dtype == torch.bfloat16:
+        if needs_seed(state_dtype, group["bf16_stochastic_round"], p.dtype):
             seed = lambda: parameter_index(optimizer, p)  # noqa: E731  (where it has none)
         try:
             state, replaced = ensure_state(optimizer.state, p, names,

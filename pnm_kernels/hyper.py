@@ -7,11 +7,12 @@ from typing import Optional, Union
 
 import torch
 
-from .reference import compressed_state, noise_norm
+from .reference import compressed_state, needs_seed, noise_norm, steps_in_float32
 
 BACKEND_NAMES = ("auto", "fused", "triton", "foreach", "reference")
 # The group keys that decide a step (a group's other keys are the user's own, carried along).
-PNM_KEYS = ("lr", "betas", "weight_decay", "decoupled", "maximize", "backend", "state_dtype")
+PNM_KEYS = ("lr", "betas", "weight_decay", "decoupled", "maximize", "backend", "state_dtype",
+            "bf16_stochastic_round")
 # What state_dtype may be (docs/design.md §7): None keeps the parameter's dtype.
 STATE_DTYPES = (None, torch.float32, torch.bfloat16)
 ADAPNM_KEYS = PNM_KEYS + ("eps", "amsgrad")
@@ -56,7 +57,7 @@ def validate_group(group: dict, adaptive: bool, where: str) -> None:
         else:
             _check_real(where, label, value, low=0.0, high=1.0, high_open=True)
     _check_real(where, "weight_decay", group["weight_decay"], low=0.0)
-    flags = ("decoupled", "maximize") + (("amsgrad",) if adaptive else ())
+    flags = ("decoupled", "maximize", "bf16_stochastic_round") + (("amsgrad",) if adaptive else ())
     if adaptive:
         _check_real(where, "eps", group["eps"], low=0.0)
     for flag in flags:
@@ -105,6 +106,7 @@ class Hyper:
     eps: float = 0.0
     amsgrad: bool = False
     state_dtype: Optional[torch.dtype] = None
+    bf16_stochastic_round: bool = False
 
     @staticmethod
     def from_group(group: dict, adaptive: bool) -> "Hyper":
@@ -117,7 +119,8 @@ class Hyper:
         return Hyper(lr=plain_lr(group["lr"]), beta1=float(betas[0]), beta0=float(betas[-1]),
                      weight_decay=float(group["weight_decay"]), decoupled=group["decoupled"],
                      maximize=group["maximize"], adaptive=adaptive,
-                     state_dtype=group["state_dtype"], **extra)
+                     state_dtype=group["state_dtype"],
+                     bf16_stochastic_round=group["bf16_stochastic_round"], **extra)
 
     def with_lr(self, lr: Lr) -> "Hyper":
         return replace(self, lr=plain_lr(lr))
@@ -126,8 +129,10 @@ class Hyper:
         """The dtype of the state buffers of a parameter of this dtype (real view's)."""
         return param_dtype if self.state_dtype is None else self.state_dtype
 
-    def compressed(self, param_dtype: torch.dtype) -> bool:
-        return compressed_state(self.state_dtype, param_dtype)
+    def in_float32(self, param_dtype: torch.dtype) -> bool:
+        """Whether parameters of this dtype step in float32 with their own rounding
+        (reference.steps_in_float32)."""
+        return steps_in_float32(self.state_dtype, self.bf16_stochastic_round, param_dtype)
 
     @property
     def num_buffers(self) -> int:
@@ -192,4 +197,4 @@ def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
            "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
            "lr_dtype_for", "STATE_DTYPES", "check_state_dtype",
-           "compressed_state"]
+           "compressed_state", "steps_in_float32", "needs_seed"]

@@ -181,6 +181,10 @@ class PNM(_PositiveNegativeMomentum):
         state_dtype: the dtype of the momentum buffers: None (the parameter's), torch.float32,
             or torch.bfloat16 (half the memory; written with stochastic rounding, so the
             averages do not stall; docs/design.md §7). The arithmetic is float32 either way.
+        bf16_stochastic_round: write bfloat16 parameters (and any bfloat16 buffer) with
+            stochastic rounding: pure-bf16 training without float32 master weights, where
+            rounding to nearest loses updates smaller than half a bf16 ulp. Other dtypes are
+            unaffected.
 
     Example::
 
@@ -197,9 +201,11 @@ class PNM(_PositiveNegativeMomentum):
     def __init__(self, params: ParamsT, lr: float | torch.Tensor = 1e-3,
                  betas: tuple[float, float] = (0.9, 1.0), weight_decay: float = 0.0,
                  decoupled: bool = True, maximize: bool = False, backend: str = "auto",
-                 state_dtype: torch.dtype | None = None) -> None:
+                 state_dtype: torch.dtype | None = None,
+                 bf16_stochastic_round: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, weight_decay=weight_decay, decoupled=decoupled,
-                        maximize=maximize, backend=backend, state_dtype=state_dtype)
+                        maximize=maximize, backend=backend, state_dtype=state_dtype,
+                        bf16_stochastic_round=bf16_stochastic_round)
         super().__init__(params, defaults)
 
 
@@ -233,6 +239,8 @@ class AdaPNM(_PositiveNegativeMomentum):
         state_dtype: the dtype of all four buffers: None (the parameter's), torch.float32,
             or torch.bfloat16 (half the memory; written with stochastic rounding;
             docs/design.md §7). The arithmetic is float32 either way.
+        bf16_stochastic_round: write bfloat16 parameters (and any bfloat16 buffer) with
+            stochastic rounding, as for PNM.
 
     Example::
 
@@ -252,8 +260,9 @@ class AdaPNM(_PositiveNegativeMomentum):
                  betas: tuple[float, float, float] = (0.9, 0.999, 1.0), eps: float = 1e-8,
                  weight_decay: float = 0.0, amsgrad: bool = True, decoupled: bool = True,
                  maximize: bool = False, backend: str = "auto",
-                 state_dtype: torch.dtype | None = None) -> None:
+                 state_dtype: torch.dtype | None = None,
+                 bf16_stochastic_round: bool = False) -> None:
         defaults = dict(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay, amsgrad=amsgrad,
                         decoupled=decoupled, maximize=maximize, backend=backend,
-                        state_dtype=state_dtype)
+                        state_dtype=state_dtype, bf16_stochastic_round=bf16_stochastic_round)
         super().__init__(params, defaults)

@@ -11,7 +11,7 @@ import torch
 from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok
 from .batching import BatchCache, writeback
-from .hyper import (Hyper, check_state_dtype, compressed_state, signature, validate_group,
+from .hyper import (Hyper, check_state_dtype, signature, steps_in_float32, validate_group,
                     validate_lr)
 from .params import check_param, check_unique, describe, shards_match
 from .state import is_plain
@@ -149,7 +149,9 @@ def group_batches(group, gi, indices):
             try:
                 check_state_dtype(group["state_dtype"], p)
                 backend = resolve_backend(group["backend"], p.device, real,
-                                          compressed_state(group["state_dtype"], p.dtype))
+                                          steps_in_float32(group["state_dtype"],
+                                                           group["bf16_stochastic_round"],
+                                                           p.dtype))
             except (RuntimeError, ValueError) as e:
                 raise type(e)(f"{describe(p, gi, pi)}: {e}") from None
             batches[key] = (backend, [], [True])

@@ -5,16 +5,17 @@ This is the ground truth every faster backend is compared with. It follows the a
 operation by operation, with docs/design.md's two deliberate differences: L2 weight decay never
 writes into ``p.grad`` and ``maximize`` exists. Complex parameters are passed in as real views.
 
-Compressed state (``state_dtype``, docs/design.md §7): the step runs in float32 on float32
-copies of the parameter, gradient and buffers, exactly as with float32 state; then each
-buffer is written back in its dtype (bfloat16 with stochastic rounding, bits from
-pnm_kernels/rounding.py) and the parameter in its own (round to nearest).
+State in a dtype of its own (``state_dtype``) and bfloat16 parameters rounded stochastically
+(``bf16_stochastic_round``), docs/design.md §7: the step runs in float32 on float32 copies of
+the parameter, gradient and buffers, exactly as with float32 state; then each buffer is
+written back in its dtype and the parameter in its own, every bfloat16 the step writes with
+stochastic rounding (bits from pnm_kernels/rounding.py), other dtypes to nearest.
 """
 import math
 
 import torch
 
-from .rounding import HASH_SHIFT, store_stochastic
+from .rounding import HASH_SHIFT, PARAM_SHIFT, store_stochastic
 
 
 def noise_norm(beta0: float) -> float:
@@ -50,7 +51,7 @@ def _pn_momentum(m, m_other, beta0):
     return m.mul(1 + beta0).add_(m_other, alpha=-beta0).mul_(1 / noise_norm(beta0))
 
 
-def _in_float32(step, param, grad, state, names, offset, **hyper):
+def _in_float32(step, param, grad, state, names, offset, bf16_stochastic_round, **hyper):
     """One step with the state in its own dtype (bfloat16, or float32 beside 16-bit
     parameters): computed in float32, then written back (see the module's docstring)."""
     work = {key: (value.float() if key in names else value) for key, value in state.items()}
@@ -63,7 +64,10 @@ def _in_float32(step, param, grad, state, names, offset, **hyper):
                              shift=HASH_SHIFT[name], offset=offset)
         elif work[name] is not state[name]:
             state[name].copy_(work[name])
-    if param32 is not param:
+    if bf16_stochastic_round and param.dtype == torch.bfloat16:
+        store_stochastic(param, param32, seed=int(state["seed"].item()), step=t,
+                         shift=PARAM_SHIFT, offset=offset)
+    elif param32 is not param:
         param.copy_(param32)
 
 
@@ -80,14 +84,29 @@ def compressed_state(state_dtype, param_dtype: torch.dtype) -> bool:
                                         or state_dtype != param_dtype)
 
 
+def steps_in_float32(state_dtype, bf16_stochastic_round: bool, param_dtype: torch.dtype) -> bool:
+    """Whether a parameter steps in float32 with its own rounding: its state in a dtype of its
+    own, or a bfloat16 parameter rounded stochastically."""
+    return compressed_state(state_dtype, param_dtype) or (
+        bf16_stochastic_round and param_dtype == torch.bfloat16)
+
+
+def needs_seed(state_dtype, bf16_stochastic_round: bool, param_dtype: torch.dtype) -> bool:
+    """Whether a parameter's step draws random bits (writes some bfloat16 stochastically)."""
+    return steps_in_float32(state_dtype, bf16_stochastic_round, param_dtype) and (
+        (state_dtype or param_dtype) == torch.bfloat16
+        or (bf16_stochastic_round and param_dtype == torch.bfloat16))
+
+
 @torch.no_grad()
 def pnm_step(param, grad, state, *, lr, beta1, beta0, weight_decay, decoupled, maximize,
-             grad_scale=None, state_dtype=None, offset=0):
+             grad_scale=None, state_dtype=None, bf16_stochastic_round=False, offset=0):
     """One PNM step (paper's Algorithm 2). ``state``: step, pos_momentum, neg_momentum (and
-    seed, for bfloat16 state). ``offset``: the elements of the whole parameter before this
-    shard (their index picks the random bits)."""
-    if compressed_state(state_dtype, param.dtype):
-        _in_float32(pnm_step, param, grad, state, _state_names(state, False), offset, lr=lr,
+    seed, where a bfloat16 is written stochastically). ``offset``: the elements of the whole
+    parameter before this shard (their index picks the random bits)."""
+    if steps_in_float32(state_dtype, bf16_stochastic_round, param.dtype):
+        _in_float32(pnm_step, param, grad, state, _state_names(state, False), offset,
+                    bf16_stochastic_round, lr=lr,
                     beta1=beta1, beta0=beta0, weight_decay=weight_decay, decoupled=decoupled,
                     maximize=maximize, grad_scale=grad_scale)
         return
@@ -100,17 +119,19 @@ def pnm_step(param, grad, state, *, lr, beta1, beta0, weight_decay, decoupled, m
 
 @torch.no_grad()
 def adapnm_step(param, grad, state, *, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
-                decoupled, maximize, grad_scale=None, state_dtype=None, offset=0):
+                decoupled, maximize, grad_scale=None, state_dtype=None,
+                bf16_stochastic_round=False, offset=0):
     """One AdaPNM step (paper's Algorithm 3).
 
     ``state``: step, exp_avg, neg_exp_avg, exp_avg_sq and, with amsgrad, max_exp_avg_sq (and
-    seed, for bfloat16 state). ``offset``: as for pnm_step.
+    seed, where a bfloat16 is written stochastically). ``offset``: as for pnm_step.
     """
-    if compressed_state(state_dtype, param.dtype):
+    if steps_in_float32(state_dtype, bf16_stochastic_round, param.dtype):
         names = _state_names(state, True)
         if not amsgrad and "max_exp_avg_sq" in names:
             names.remove("max_exp_avg_sq")
-        _in_float32(adapnm_step, param, grad, state, names, offset, lr=lr, beta1=beta1,
+        _in_float32(adapnm_step, param, grad, state, names, offset, bf16_stochastic_round,
+                    lr=lr, beta1=beta1,
                     beta2=beta2, beta0=beta0, eps=eps, weight_decay=weight_decay,
                     amsgrad=amsgrad, decoupled=decoupled, maximize=maximize,
                     grad_scale=grad_scale)

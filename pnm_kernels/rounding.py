@@ -14,7 +14,8 @@ with i = hi * 2^32 + lo, t the step after its increment, modulo 2^32, and mix32 
 xorshift-multiply hash "lowbias32" (C. Wellons' hash-prospector), all in uint32 arithmetic.
 One hash an element a step: its high 16 bits round the momentum buffer the step writes, its
 low 16 bits the second moment and, with the same bits, its running maximum (so that a stored
-maximum taken from the new second moment equals the stored second moment).
+maximum taken from the new second moment equals the stored second moment); a bfloat16
+parameter (bf16_stochastic_round) the low 16 bits of mix32(hash).
 
 Stochastic rounding of an fp32 value x to bf16: (bits(x) + 16 random bits) with its low 16
 bits cleared (a carry out of the mantissa rounds up to the next binade, or to inf past the
@@ -32,6 +33,9 @@ _LOW32 = 0xFFFFFFFF
 # Which 16 bits of an element's hash round each buffer (the shift that brings them down).
 HASH_SHIFT = {"pos_momentum": 16, "neg_momentum": 16, "exp_avg": 16, "neg_exp_avg": 16,
               "exp_avg_sq": 0, "max_exp_avg_sq": 0}
+# A bfloat16 parameter (bf16_stochastic_round) rounds with the low 16 bits of mix32(hash): a
+# hash of its own, as AdaPNM's buffers take both halves of the first.
+PARAM_SHIFT = -1
 
 
 def mix32_int(x: int) -> int:
@@ -80,8 +84,15 @@ def element_hash(seed, step, index: torch.Tensor) -> torch.Tensor:
 
 
 def random_bits(seed, step, shift: int, index: torch.Tensor) -> torch.Tensor:
-    """The 16 random bits that round a buffer (HASH_SHIFT) at each element: in [0, 2^16)."""
-    return (element_hash(seed, step, index) >> shift) & 0xFFFF
+    """The 16 random bits that round a buffer (HASH_SHIFT) or, with PARAM_SHIFT, a bfloat16
+    parameter at each element: in [0, 2^16)."""
+    return bits_from_hash(element_hash(seed, step, index), shift)
+
+
+def bits_from_hash(hashes: torch.Tensor, shift: int) -> torch.Tensor:
+    if shift == PARAM_SHIFT:
+        return mix32(hashes) & 0xFFFF
+    return (hashes >> shift) & 0xFFFF
 
 
 def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
@@ -100,5 +111,5 @@ def store_stochastic(buffer: torch.Tensor, value: torch.Tensor, *, seed: int, st
     buffer.copy_(round_bf16_stochastic(value.float(), bits))
 
 
-__all__ = ["HASH_SHIFT", "mix32", "mix32_int", "element_index", "element_hash", "random_bits",
+__all__ = ["HASH_SHIFT", "PARAM_SHIFT", "bits_from_hash", "mix32", "mix32_int", "element_index", "element_hash", "random_bits",
            "round_bf16_stochastic", "store_stochastic"]

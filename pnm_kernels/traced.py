@@ -10,7 +10,7 @@ import torch
 from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import writeback
-from .hyper import Hyper, lr_dtype_for, validate_group
+from .hyper import Hyper, lr_dtype_for, needs_seed, validate_group
 from .params import check_unique, dense_copies, element_offset, kernel_batch, kernel_views
 from .plan import group_batches
 
@@ -77,7 +77,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
             for lst, buf in zip((buffer0, buffer1, buffer2, buffer3), bufs):
                 lst.append(buf)
             steps.append(state["step"])
-            if "seed" in state and group["state_dtype"] == torch.bfloat16:
+            if needs_seed(group["state_dtype"], group["bf16_stochastic_round"], p.dtype):
                 seeds.append(state["seed"])
                 offsets.append(element_offset(p))
             param, grad, bufs = kernel_views(p, p.grad, bufs)

@@ -53,7 +53,16 @@ MODES = (None,)
 
 # state_dtype modes (docs/design.md §7): the state in a dtype of its own, and the paths that
 # keep it. A path that learns to keep such state is one entry here.
-STATE_MODES = {"bf16-state": torch.bfloat16, "fp32-state": torch.float32}
+# Each mode's optimizer arguments and the parameter dtypes it is a mode of (where it changes
+# nothing, float32 state of float32 parameters say, it is no case).
+STATE_MODES = {
+    "bf16-state": (dict(state_dtype=torch.bfloat16),
+                   (torch.float32, torch.bfloat16, torch.float16)),
+    "fp32-state": (dict(state_dtype=torch.float32), (torch.bfloat16, torch.float16)),
+    "bf16-sr": (dict(bf16_stochastic_round=True), (torch.bfloat16,)),
+    "bf16-state-sr": (dict(state_dtype=torch.bfloat16, bf16_stochastic_round=True),
+                      (torch.bfloat16,)),
+}
 STATE_DTYPE_PATHS = ("foreach", "fused")
 
 # Every fast path this machine runs, in the suite's order.

@@ -62,6 +62,49 @@ def test_opcheck_pnm(op, dtype):
                                      blocks_done=torch.zeros(1, dtype=torch.int32)))
 
 
+def state_args(adaptive, dtype=torch.float32, state_dtype=torch.bfloat16):
+    """The state ops' arguments: the buffers in state_dtype, a seed and offset a tensor."""
+    args = adapnm_args(dtype=dtype) if adaptive else pnm_args(dtype=dtype)
+    for lst in range(2, len(args) - 1):
+        args[lst] = [t.to(state_dtype) for t in args[lst]]
+    seeds = [torch.tensor(i, dtype=torch.int64) for i in range(len(args[0]))]
+    return args + [seeds, [0, 10, 1 << 33][:len(args[0])]]
+
+
+@pytest.mark.parametrize("adaptive", [False, True], ids=["pnm", "adapnm"])
+@pytest.mark.parametrize("dtype,state_dtype,stochastic", [
+    (torch.float32, torch.bfloat16, False), (torch.bfloat16, torch.float32, True),
+    (torch.bfloat16, torch.bfloat16, True)])
+def test_opcheck_state_ops(adaptive, dtype, state_dtype, stochastic):
+    op = torch.ops.pnm_kernels.adapnm_state_step_ if adaptive else torch.ops.pnm_kernels.pnm_state_step_
+    kwargs = adapnm_kwargs() if adaptive else pnm_kwargs()
+    torch.library.opcheck(op.default, state_args(adaptive, dtype, state_dtype),
+                          dict(kwargs, bf16_stochastic_round=stochastic))
+
+
+STATE_BAD_CALLS = [
+    ("no seeds", lambda a: a.__setitem__(5, []), r"0 seeds and 3 offsets for 3 params"),
+    ("seed dtype", lambda a: a[5].__setitem__(1, torch.tensor(1.0)),
+     r"seeds\[1\] must be an int64 tensor"),
+    ("negative offset", lambda a: a[6].__setitem__(2, -1), r"offsets\[2\] is negative"),
+    ("float16 state", lambda a: [a.__setitem__(i, [t.half() for t in a[i]]) for i in (2, 3)],
+     r"pos_momentums\[0\] has dtype Half beside Float parameters"),
+    ("mixed state", lambda a: a[3].__setitem__(0, a[3][0].float()),
+     r"neg_momentums\[0\] has dtype Float but pos_momentums\[0\] has BFloat16"),
+]
+
+
+@pytest.mark.parametrize("case,mutate,message", STATE_BAD_CALLS, ids=[c[0] for c in STATE_BAD_CALLS])
+def test_bad_state_op_arguments_raise_naming_the_culprit_and_write_nothing(case, mutate, message):
+    args = state_args(adaptive=False)
+    mutate(args)
+    before = [t.clone() for t in args[0]]
+    with pytest.raises(RuntimeError, match=message):
+        torch.ops.pnm_kernels.pnm_state_step_(*args, **pnm_kwargs())
+    for t, b in zip(args[0], before):
+        assert torch.equal(t, b)
+
+
 @pytest.mark.parametrize("op", ADA_OPS)
 @pytest.mark.parametrize("amsgrad", [True, False])
 def test_opcheck_adapnm(op, amsgrad):

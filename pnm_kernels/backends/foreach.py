@@ -9,7 +9,8 @@ import torch
 
 from .. import reference
 from ..hyper import Hyper, coefficients
-from ..rounding import element_hash, element_index, round_bf16_stochastic
+from ..rounding import (PARAM_SHIFT, bits_from_hash, element_hash, element_index,
+                        round_bf16_stochastic)
 from .base import Batch, HeldLists, Launch, Scaling
 from .reference import skip_step
 
@@ -21,7 +22,7 @@ class ForeachBackend:
     reads_host = True
 
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
-        if hyper.compressed(batch.params[0].dtype):
+        if hyper.in_float32(batch.params[0].dtype):
             _step_in_float32(self, batch, hyper, scaling)
             return
         if torch.compiler.is_compiling() and scaling.found_inf is None:
@@ -86,21 +87,23 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
     work = Batch(params=[p.float() for p in batch.params], grads=[g.float() for g in batch.grads],
                  buffers=[[b.float() for b in buffers] for buffers in batch.buffers],
                  steps=batch.steps)
-    backend.step(work, replace(hyper, state_dtype=None), scaling)
+    backend.step(work, replace(hyper, state_dtype=None, bf16_stochastic_round=False), scaling)
     if batch.params[0].device.type == "meta":
         return
     for i, param in enumerate(batch.params):
-        if work.params[i] is not param:
-            param.copy_(work.params[i])
         hashes = None
+        if batch.seeds:
+            hashes = element_hash(batch.seeds[i], batch.steps[i].to(torch.int64),
+                                  element_index(batch.buffers[0][i], batch.offsets[i]))
+        if hyper.bf16_stochastic_round and param.dtype == torch.bfloat16:
+            param.copy_(round_bf16_stochastic(work.params[i], bits_from_hash(hashes, PARAM_SHIFT)))
+        elif work.params[i] is not param:
+            param.copy_(work.params[i])
         for slot, (buffers, values) in enumerate(zip(batch.buffers, work.buffers)):
             buffer, value = buffers[i], values[i]
             if buffer.dtype == torch.bfloat16:
-                if hashes is None:
-                    hashes = element_hash(batch.seeds[i], batch.steps[i].to(torch.int64),
-                                          element_index(buffer, batch.offsets[i]))
                 shift = 16 if slot < 2 else 0  # rounding.HASH_SHIFT, in table order
-                buffer.copy_(round_bf16_stochastic(value, (hashes >> shift) & 0xFFFF))
+                buffer.copy_(round_bf16_stochastic(value, bits_from_hash(hashes, shift)))
             elif value is not buffer:
                 buffer.copy_(value)
 

@@ -51,7 +51,7 @@ class FusedBackend:
 
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         device = batch.params[0].device
-        if hyper.compressed(batch.params[0].dtype):
+        if hyper.in_float32(batch.params[0].dtype):
             _state_step(batch, hyper, scaling)
             return
         if batch.held is not None and not torch.compiler.is_compiling():
@@ -99,7 +99,8 @@ def _state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
     ops = torch.ops.pnm_kernels
     common = dict(lr=lr, beta1=hyper.beta1, beta0=hyper.beta0, weight_decay=hyper.weight_decay,
                   decoupled=hyper.decoupled, maximize=hyper.maximize, lr_tensor=lr_tensor,
-                  grad_scale=scaling.grad_scale, found_inf=scaling.found_inf)
+                  grad_scale=scaling.grad_scale, found_inf=scaling.found_inf,
+                  bf16_stochastic_round=hyper.bf16_stochastic_round)
     if hyper.adaptive:
         max_exp_avg_sq = batch.buffers[3] if hyper.amsgrad else []
         ops.adapnm_state_step_(batch.params, batch.grads, batch.buffers[0], batch.buffers[1],

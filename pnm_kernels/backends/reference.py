@@ -26,11 +26,12 @@ class ReferenceBackend:
         common: dict[str, Any] = dict(
             lr=float(hyper.lr), beta1=hyper.beta1, beta0=hyper.beta0,
             weight_decay=hyper.weight_decay, decoupled=hyper.decoupled, maximize=hyper.maximize,
-            grad_scale=scaling.grad_scale, state_dtype=hyper.state_dtype)
+            grad_scale=scaling.grad_scale, state_dtype=hyper.state_dtype,
+            bf16_stochastic_round=hyper.bf16_stochastic_round)
         for i, (param, grad) in enumerate(zip(batch.params, batch.grads)):
             state = {name: buffers[i] for name, buffers in zip(names, batch.buffers)}
             state["step"] = batch.steps[i]
-            if batch.seeds:  # bfloat16 state: its random bits' seed and index offset
+            if batch.seeds:  # stochastic rounding: its random bits' seed and index offset
                 state["seed"] = batch.seeds[i]
                 common["offset"] = batch.offsets[i]
             if hyper.adaptive:
