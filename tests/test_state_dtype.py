@@ -400,3 +400,24 @@ def test_switching_state_dtype_mid_run_converts_the_state():
     assert opt.state[params[0]]["pos_momentum"].dtype == torch.bfloat16
     expected = copy.deepcopy(opt.state[params[0]]["seed"])
     assert int(expected) == 0  # the first parameter's seed: its place in param_groups
+
+
+# -- torch.compile ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name,backend", [("PNM", "auto"), ("AdaPNM", "auto"), ("PNM", "foreach")])
+def test_a_compiled_step_with_bfloat16_state_has_no_graph_break_and_steps_as_eager(name, backend):
+    """fullgraph=True: the fused state op traces through its fake kernel; foreach's rounding
+    traces as tensor ops, its bits computed from the counters on the device."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        params = _params(torch.float32)
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=torch.bfloat16,
+                               weight_decay=0.1)
+        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+        for t in range(4):
+            for p, g in zip(params, _grads(params, t)):
+                p.grad = g
+            step()
+        runs.append((opt, params))
+    assert_states_close(*runs[1], *runs[0])
