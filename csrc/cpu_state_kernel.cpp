@@ -201,28 +201,14 @@ void run_state_step(const StepCall& call, const StepArgs& args) {
   for (int64_t i = 0; i < n; ++i) *static_cast<double*>(call.steps[i].data_ptr()) += 1.0;
 }
 
-template <typename T, class Algo>
-void by_state_type(const StepCall& call, const StepArgs& args) {
-  if constexpr (std::is_same_v<T, double>) {
-    TORCH_CHECK(false, "pnm_kernels: float64 parameters keep float64 state");
-  } else {
-    if (call.lists[2][0].scalar_type() == at::kBFloat16) {
-      run_state_step<T, c10::BFloat16, Algo>(call, args);
-    } else if constexpr (!std::is_same_v<T, float>) {
-      run_state_step<T, float, Algo>(call, args);
-    } else {
-      TORCH_CHECK(false, "pnm_kernels: float32 state of float32 parameters is the plain step");
-    }
-  }
-}
-
 }  // namespace
 
 void cpu_state_step(const StepCall& call) {
   if (call.size() == 0) return;
   const StepArgs args = make_step_args(call);
-  dispatch_step(call, [&](auto t, auto a) {
-    by_state_type<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+  dispatch_state_step(call, [&](auto t, auto s, auto a) {
+    run_state_step<typename decltype(t)::type, typename decltype(s)::type,
+                   typename decltype(a)::type>(call, args);
   });
 }
 

@@ -5,6 +5,8 @@
 // (docs/design.md §4). Element maths: built with -ffp-contract=off (setup.py).
 #include "emulated_cuda.h"
 
+#include "state_block.h"
+
 namespace pnm {
 namespace {
 
@@ -51,7 +53,40 @@ void run_emulated_cuda(const StepCall& call, const StepArgs& args) {
   }
 }
 
+// The state ops' launches (state_block.h): never a single launch; the counters' launch after.
+template <typename T, typename S, class Algo>
+void run_emulated_state(const StepCall& call, const StepArgs& args) {
+  const GatheredPointers g = gather_pointers(call);
+  const GatheredSeeds seeds = gather_seeds(call);
+  const int n = static_cast<int>(call.size());
+  const auto tables = plan_launches<Algo::kLists, SeededTable<Algo::kLists>>(
+      n, g.ptrs.data(), g.steps.data(), g.numels.data(), sizeof(T), launch_limits(), 0,
+      SeedsAndOffsets{seeds.seeds.data(), seeds.offsets.data()});
+  const bool param_stochastic = call.bf16_stochastic_round;
+  for (const auto& table : tables) {
+    for (int block = 0; block < table.num_blocks; ++block) {
+      for (int thread = 0; thread < kBlockSize; ++thread) {
+        state_step_block<T, S, Algo>(table, args, param_stochastic, block, thread, kBlockSize);
+      }
+    }
+  }
+  for (const auto& counters : plan_step_counters(n, g.steps.data())) {
+    for (int thread = 0; thread < kBlockSize; ++thread) {
+      increment_steps(counters, args.found_inf, thread, kBlockSize);
+    }
+  }
+}
+
 }  // namespace
+
+void emulated_cuda_state_step(const StepCall& call) {
+  if (call.size() == 0) return;
+  const StepArgs args = make_step_args(call);
+  dispatch_state_step(call, [&](auto t, auto s, auto a) {
+    run_emulated_state<typename decltype(t)::type, typename decltype(s)::type,
+                       typename decltype(a)::type>(call, args);
+  });
+}
 
 void emulated_cuda_step(const StepCall& call) {
   if (call.size() == 0) return;

@@ -93,8 +93,8 @@ struct BlockChunk {
   int64_t chunk;  // inside its tensor
 };
 
-template <int kLists>
-PNM_HOST_DEVICE BlockChunk block_chunk(const LaunchTable<kLists>& tab, int block) {
+template <class Table>
+PNM_HOST_DEVICE BlockChunk block_chunk(const Table& tab, int block) {
   int lo = 0;
   int hi = tab.num_tensors - 1;
   while (lo < hi) {
@@ -299,12 +299,18 @@ inline int64_t step_chunk_size(int num_tensors, const int64_t* numels, size_t el
 // empty tensor gets a slot but no block: its counter is counted in a single-launch step.
 // Chunks are step_chunk_size's; max_single_blocks: the most blocks a single launch of this
 // step may have (zero where it has no blocks_done counter).
-template <int kLists>
-std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptrs,
-                                               double* const* steps, const int64_t* numels,
-                                               size_t element_size, const LaunchLimits& limits,
-                                               int max_single_blocks) {
-  using Table = LaunchTable<kLists>;
+// A table type with more per-tensor fields (state_block.h's SeededTable) fills them in
+// fill_slot(table, slot, tensor index).
+struct NoSlotExtras {
+  template <class Table>
+  void operator()(Table&, int, int) const {}
+};
+
+template <int kLists, class Table = LaunchTable<kLists>, class FillSlot = NoSlotExtras>
+std::vector<Table> plan_launches(int num_tensors, void* const* ptrs, double* const* steps,
+                                 const int64_t* numels, size_t element_size,
+                                 const LaunchLimits& limits, int max_single_blocks,
+                                 FillSlot fill_slot = {}) {
   const int64_t chunk_size =
       step_chunk_size(num_tensors, numels, element_size, limits, max_single_blocks);
   const int max_tensors = limits.max_tensors > 0 && limits.max_tensors < Table::kMaxTensors
@@ -335,6 +341,7 @@ std::vector<LaunchTable<kLists>> plan_launches(int num_tensors, void* const* ptr
     cur->numels[slot] = numels[i];
     cur->block_begin[slot] = cur->num_blocks;
     cur->first_chunk[slot] = static_cast<int32_t>(first_chunk);
+    fill_slot(*cur, slot, i);
   };
   for (int i = 0; i < num_tensors; ++i) {
     if (cur == nullptr || cur->num_tensors == max_tensors) open_table();

@@ -30,6 +30,10 @@ struct CpuState {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { cpu_state_step(call); }
 };
+struct EmulatedCudaState {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  static void run(const StepCall& call) { emulated_cuda_state_step(call); }
+};
 struct EmulatedCuda {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { emulated_cuda_step(call); }
@@ -138,6 +142,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def(ADAPNM_STEP_SCHEMA("emulated_cuda_adapnm_step_"));
   m.def(PNM_STATE_STEP_SCHEMA("pnm_state_step_"));
   m.def(ADAPNM_STATE_STEP_SCHEMA("adapnm_state_step_"));
+  m.def(PNM_STATE_STEP_SCHEMA("emulated_cuda_pnm_state_step_"));
+  m.def(ADAPNM_STATE_STEP_SCHEMA("emulated_cuda_adapnm_state_step_"));
   m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks, "
         "int max_single_launch_blocks=0) -> ()",
         &pnm::set_launch_limits);
@@ -172,6 +178,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
   m.impl("emulated_cuda_adapnm_step_", &pnm::adapnm_step_op<pnm::EmulatedCuda>);
   m.impl("pnm_state_step_", &pnm::pnm_state_step_op<pnm::CpuState>);
   m.impl("adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::CpuState>);
+  m.impl("emulated_cuda_pnm_state_step_", &pnm::pnm_state_step_op<pnm::EmulatedCudaState>);
+  m.impl("emulated_cuda_adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::EmulatedCudaState>);
 }
 
 // Importing pnm_kernels._C runs the registrations above.
@@ -183,7 +191,8 @@ extern "C" PyObject* PyInit__C(void) {
 TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
   for (const char* name : {"pnm_step_", "adapnm_step_", "emulated_cuda_pnm_step_",
                            "emulated_cuda_adapnm_step_", "pnm_state_step_",
-                           "adapnm_state_step_"}) {
+                           "adapnm_state_step_", "emulated_cuda_pnm_state_step_",
+                           "emulated_cuda_adapnm_state_step_"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "state_block.h"
 #include "step_call.h"
 
 namespace pnm {
@@ -50,6 +51,18 @@ __global__ void increment_kernel(const __grid_constant__ StepCounterTable table,
   increment_steps(table, found_inf, threadIdx.x, blockDim.x);
 }
 
+// State in a dtype of its own (state_block.h). Not named *step_kernel: those are the
+// vectorised kernels tests/test_cuda_ptx.py inspects for 128-bit accesses (its no-spill
+// check covers these too). Two blocks an SM stated outright: bounded by the block size alone,
+// ptxas spilled 4 bytes in bf16-parameter AdaPNM-AMSGrad at 40 registers.
+template <typename T, typename S, class Algo>
+__global__ void __launch_bounds__(kBlockSize, 2)
+    own_state_kernel(const __grid_constant__ SeededTable<Algo::kLists> table, const StepArgs args,
+                     bool param_stochastic) {
+  state_step_block<T, S, Algo>(table, args, param_stochastic, blockIdx.x, threadIdx.x,
+                               blockDim.x);
+}
+
 int multiprocessor_count(int device) {
   int count = 0;  // a driver-cached attribute: no need to cache it here
   C10_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, device));
@@ -88,6 +101,40 @@ void run_cuda(const StepCall& call, const StepArgs& args) {
   }
 }
 
+template <typename T, typename S, class Algo>
+void run_cuda_state(const StepCall& call, const StepArgs& args) {
+  const GatheredPointers g = gather_pointers(call);
+  const GatheredSeeds seeds = gather_seeds(call);
+  const int n = static_cast<int>(call.size());
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  const auto tables = plan_launches<Algo::kLists, SeededTable<Algo::kLists>>(
+      n, g.ptrs.data(), g.steps.data(), g.numels.data(), sizeof(T), launch_limits(), 0,
+      SeedsAndOffsets{seeds.seeds.data(), seeds.offsets.data()});
+  for (const auto& table : tables) {
+    if (table.num_blocks == 0) continue;
+    own_state_kernel<T, S, Algo><<<table.num_blocks, kBlockSize, 0, stream>>>(
+        table, args, call.bf16_stochastic_round);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  for (const auto& counters : plan_step_counters(n, g.steps.data())) {
+    increment_kernel<<<1, 256, 0, stream>>>(counters, args.found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+struct CudaState {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
+  static void run(const StepCall& call) {
+    if (call.size() == 0) return;
+    const c10::cuda::CUDAGuard guard(call.lists[0][0].device());
+    const StepArgs args = make_step_args(call);
+    dispatch_state_step(call, [&](auto t, auto s, auto a) {
+      run_cuda_state<typename decltype(t)::type, typename decltype(s)::type,
+                     typename decltype(a)::type>(call, args);
+    });
+  }
+};
+
 struct Cuda {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
   static void run(const StepCall& call) {
@@ -106,4 +153,6 @@ struct Cuda {
 TORCH_LIBRARY_IMPL(pnm_kernels, CUDA, m) {
   m.impl("pnm_step_", &pnm::pnm_step_op<pnm::Cuda>);
   m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::Cuda>);
+  m.impl("pnm_state_step_", &pnm::pnm_state_step_op<pnm::CudaState>);
+  m.impl("adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::CudaState>);
 }

@@ -63,8 +63,6 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
   const at::ScalarType state_dtype =
       call.own_state_dtype ? call.lists[2][0].scalar_type() : dtype;
   if (call.own_state_dtype) {
-    TORCH_CHECK(device_type == c10::DeviceType::CPU,
-                "pnm_kernels: state in its own dtype is stepped on the CPU only");
     TORCH_CHECK(dtype != at::kDouble, "pnm_kernels: float64 parameters keep float64 state");
     const bool param_stochastic = call.bf16_stochastic_round && dtype == at::kBFloat16;
     TORCH_CHECK(state_dtype == at::kBFloat16 || (state_dtype == at::kFloat && dtype != at::kFloat),
@@ -242,6 +240,18 @@ GatheredPointers gather_pointers(const StepCall& call) {
     for (int l = 0; l < call.num_lists; ++l) g.ptrs.push_back(call.lists[l][i].data_ptr());
     g.steps.push_back(static_cast<double*>(call.steps[i].data_ptr()));
     g.numels.push_back(call.lists[0][i].numel());
+  }
+  return g;
+}
+
+GatheredSeeds gather_seeds(const StepCall& call) {
+  GatheredSeeds g;
+  const int64_t n = call.size();
+  g.seeds.assign(n, nullptr);
+  g.offsets.assign(n, 0);
+  for (int64_t i = 0; i < static_cast<int64_t>(call.seeds.size()); ++i) {
+    g.seeds[i] = call.seeds[i].const_data_ptr<int64_t>();
+    g.offsets[i] = call.offsets[i];
   }
   return g;
 }

@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 
 #include <optional>
+#include <type_traits>
 #include <vector>
 
 #include "multi_tensor_apply.h"
@@ -134,6 +135,33 @@ void dispatch_step(const StepCall& call, F&& f) {
     default: TORCH_CHECK(false, "pnm_kernels: unsupported dtype ", call.lists[0][0].scalar_type());
   }
 }
+
+// For the state ops: calls f(Tag<param type>, Tag<state type>, Tag<Algo>): bfloat16 state
+// beside float32, float16 or bfloat16 parameters, float32 state beside 16-bit ones (the
+// call's checks allowed no other pair).
+template <class F>
+void dispatch_state_step(const StepCall& call, F&& f) {
+  dispatch_step(call, [&](auto dtype_tag, auto algo_tag) {
+    using T = typename decltype(dtype_tag)::type;
+    if constexpr (std::is_same_v<T, double>) {
+      TORCH_CHECK(false, "pnm_kernels: float64 parameters keep float64 state");
+    } else if (call.lists[2][0].scalar_type() == at::kBFloat16) {
+      f(dtype_tag, Tag<c10::BFloat16>{}, algo_tag);
+    } else if constexpr (!std::is_same_v<T, float>) {
+      f(dtype_tag, Tag<float>{}, algo_tag);
+    } else {
+      TORCH_CHECK(false, "pnm_kernels: float32 state of float32 parameters is the plain step");
+    }
+  });
+}
+
+// The state ops' seeds and offsets as the launch tables take them: a pointer to each
+// tensor's seed (none where nothing rounds stochastically) and its offset.
+struct GatheredSeeds {
+  std::vector<const int64_t*> seeds;
+  std::vector<int64_t> offsets;
+};
+GatheredSeeds gather_seeds(const StepCall& call);
 
 // The op entry points, one per schema; Impl supplies kDevice and run(const StepCall&).
 template <class Impl>

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <cstring>
 
 #include "pnm_math.h"
 
@@ -31,6 +32,17 @@ PNM_HOST_DEVICE uint32_t rounding_key(uint32_t seed, uint32_t step, uint32_t ind
 // the second moment and its maximum (pnm_kernels/rounding.py, HASH_SHIFT).
 PNM_HOST_DEVICE uint32_t element_hash(uint32_t key, uint32_t index_lo) {
   return mix32(index_lo ^ key);
+}
+
+// A float's bit pattern (a register move on the GPU; memcpy through memory made ptxas spill).
+PNM_HOST_DEVICE uint32_t float_bits(float v) {
+#if defined(__CUDA_ARCH__)
+  return __float_as_uint(v);
+#else
+  uint32_t u;
+  memcpy(&u, &v, sizeof(u));
+  return u;
+#endif
 }
 
 // v's bits rounded to bfloat16 with 16 random bits (in the low half of `bits`): up with

@@ -63,7 +63,7 @@ STATE_MODES = {
     "bf16-state-sr": (dict(state_dtype=torch.bfloat16, bf16_stochastic_round=True),
                       (torch.bfloat16,)),
 }
-STATE_DTYPE_PATHS = ("foreach", "fused")
+STATE_DTYPE_PATHS = ("foreach", "fused", "emulated")
 
 # Every fast path this machine runs, in the suite's order.
 FAST_PATHS = [p.name for p in PATHS if p.fast and (p.with_a_gpu or not HAS_CUDA)]

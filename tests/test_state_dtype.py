@@ -60,23 +60,23 @@ def _state_cases():
             for variant in _VARIANTS:
                 names = ["AdaPNM"] if variant == "plain" else list(OPTIMIZERS)
                 for case in parametrize(STATE_DTYPE_PATHS, optimizers=names, dtypes=(dtype,),
-                                        modes=(mode,), args=("name", "backend", "dtype",
+                                        modes=(mode,), args=("name", "path", "dtype",
                                                              "mode")).args[1]:
                     cases.append(pytest.param(*case.values, variant, marks=case.marks,
                                               id=f"{case.id}-{variant}"))
     return cases
 
 
-@pytest.mark.parametrize("name,backend,dtype,mode,variant", _state_cases())
-def test_state_in_its_own_dtype_steps_as_the_reference(name, backend, dtype, mode, variant):
+@pytest.mark.parametrize("name,path,dtype,mode,variant", _state_cases(), indirect=["path"])
+def test_state_in_its_own_dtype_steps_as_the_reference(name, path, dtype, mode, variant):
     kwargs = STATE_MODES[mode][0]
     runs = []
-    for b in ("reference", backend):
+    for b in ("reference", path):
         params = _params(dtype)
         opt = OPTIMIZERS[name](params, lr=1e-2, backend=b, **kwargs, **_VARIANTS[variant])
         _run(opt, params, STEPS)
         runs.append((opt, params))
-    if backend == "foreach":
+    if path == "foreach":
         _assert_same(*runs[0], *runs[1])
     else:  # a rare element may round the other way: within a bf16 ulp
         assert_states_close(*runs[1], *runs[0])
@@ -377,18 +377,65 @@ def test_a_parameter_that_cannot_keep_such_state_is_named_before_any_step(dtype,
     assert torch.equal(good, before) and not opt.state
 
 
-def test_a_backend_without_such_state_says_so_before_any_step(monkeypatch):
+def test_a_backend_without_such_state_says_so_before_any_step():
     p = torch.nn.Parameter(torch.randn(4))
     opt = PNM([p], backend="triton", state_dtype=torch.bfloat16)
     p.grad = torch.ones(4)
     before = p.detach().clone()
     with pytest.raises(RuntimeError, match=r"backend='triton'.*state_dtype"):
         opt.step()
-    monkeypatch.setenv("PNM_KERNELS_EMULATE_CUDA", "1")  # the CUDA kernels: not yet
-    opt.param_groups[0]["backend"] = "fused"
-    with pytest.raises(RuntimeError, match=r"backend='fused'.*state_dtype"):
-        opt.step()
     assert torch.equal(p, before)
+
+
+@pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+@pytest.mark.parametrize("mode", list(STATE_MODES))
+def test_the_cuda_kernels_give_the_cpu_kernels_bits(name, mode, monkeypatch):
+    """The CUDA kernels' code (csrc/state_block.h), run emulated, against the fused CPU
+    kernel: parameters and state bitwise, over launch and chunk boundaries (small chunks
+    and tables), a seed set by hand included."""
+    kwargs, dtypes = STATE_MODES[mode]
+    runs = []
+    for emulate in ("0", "1"):
+        monkeypatch.setenv("PNM_KERNELS_EMULATE_CUDA", emulate)
+        _ops.set_launch_limits(chunk_size=64, max_tensors=2)
+        try:
+            params = [torch.nn.Parameter(torch.randn(s, generator=torch.Generator()
+                                                     .manual_seed(i)).to(dtypes[-1]))
+                      for i, s in enumerate([(300,), (7, 9), (1,), (129,)])]
+            opt = OPTIMIZERS[name](params, lr=1e-2, backend="fused", weight_decay=0.1, **kwargs)
+            _run(opt, params, 2)
+            if "seed" in opt.state[params[0]]:
+                opt.state[params[0]]["seed"].fill_(12345)
+            _run(opt, params, 3, first=2)
+            runs.append((opt, params))
+        finally:
+            _ops.set_launch_limits()
+    _assert_same(*runs[0], *runs[1])
+
+
+@pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")
+@pytest.mark.parametrize("op", ["pnm_state_step_", "emulated_cuda_pnm_state_step_"])
+def test_indices_crossing_2_to_32_take_the_references_bits(op):
+    """A shard whose elements' indices in the whole parameter cross 2^32 (offset 2^32 - 100):
+    the kernels change the key where the index's high bits change, as the reference does."""
+    offset = 2**32 - 100
+    p0, g = torch.randn(300), torch.randn(300)
+    state = dict(step=torch.zeros((), dtype=torch.float64), seed=torch.tensor(9),
+                 pos_momentum=torch.randn(300).bfloat16(), neg_momentum=torch.randn(300).bfloat16())
+    hyper = dict(lr=1e-2, beta1=0.9, beta0=1.0, weight_decay=0.0, decoupled=True, maximize=False)
+    expected, expected_state = p0.clone(), {k: v.clone() for k, v in state.items()}
+    reference.pnm_step(expected, g, expected_state, state_dtype=torch.bfloat16, offset=offset,
+                       **hyper)
+    param = p0.clone()
+    getattr(torch.ops.pnm_kernels, op)([param], [g], [state["pos_momentum"]],
+                                       [state["neg_momentum"]], [state["step"]], [state["seed"]],
+                                       [offset], **hyper)
+    assert torch.equal(state["pos_momentum"], expected_state["pos_momentum"])
+    torch.testing.assert_close(param, expected)
+    # the bits do change at 2^32: another key for the last 200 elements
+    before = element_hash(9, 1, torch.arange(offset, offset + 300))
+    assert not torch.equal(before[100:], element_hash(9, 1, torch.arange(offset, offset + 300) - 2**32)[100:])
 
 
 def test_switching_state_dtype_mid_run_converts_the_state():

@@ -34,9 +34,9 @@ triton_unavailable_reason = triton.unavailable_reason
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
                     compressed: bool = False) -> str:
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
-    as measured (see above). `compressed`: the state is kept in a dtype of its own
-    (state_dtype), which only the reference and foreach steps do so far. Raises
-    RuntimeError/ValueError saying why a requested backend cannot run."""
+    as measured (see above). `compressed`: the step runs in float32 with its own rounding
+    (state_dtype, bf16_stochastic_round), which every backend but Triton does ("auto": fused,
+    else foreach). Raises RuntimeError/ValueError saying why a requested backend cannot run."""
     if compressed and requested in ("auto", "triton"):
         if requested == "triton":
             raise RuntimeError("backend='triton' does not keep the state in a dtype other than "

@@ -18,13 +18,11 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype,
         return f"the compiled extension pnm_kernels._C could not be loaded ({error})"
     if dtype not in DTYPES:
         return f"the fused kernels take float32, float64, float16 and bfloat16, not {dtype}"
-    if own_state_dtype and (device.type != "cpu" or emulating(device)):
-        return ("its kernels keep the state in a dtype other than the parameter's "
-                "(state_dtype) on the CPU only, so far")
     if device.type == "cpu":
         return None
     if device.type == "cuda":
-        if torch._C._dispatch_has_kernel_for_dispatch_key("pnm_kernels::pnm_step_", "CUDA"):
+        op = "pnm_state_step_" if own_state_dtype else "pnm_step_"
+        if torch._C._dispatch_has_kernel_for_dispatch_key(f"pnm_kernels::{op}", "CUDA"):
             return None
         return ("pnm_kernels._C was built without CUDA kernels (no nvcc at build time, or "
                 "PNM_KERNELS_NO_CUDA=1); rebuild it where nvcc is available")
@@ -93,20 +91,24 @@ class FusedBackend:
 
 
 def _state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
-    """The CPU kernel for state in a dtype of its own (csrc/cpu_state_kernel.cpp). Its
-    lists are not held between steps (BatchCache holds none for such state)."""
-    lr, lr_tensor = split_lr(hyper.lr, batch.params[0].device, keep_float64=True)
+    """The kernels for state in a dtype of its own (csrc/cpu_state_kernel.cpp on the CPU,
+    csrc/state_block.h on CUDA or emulated). Their lists are not held between steps
+    (BatchCache holds none for such state)."""
+    device = batch.params[0].device
+    lr, lr_tensor = split_lr(hyper.lr, device, keep_float64=True)
     ops = torch.ops.pnm_kernels
+    emulate = emulating(device)
     common = dict(lr=lr, beta1=hyper.beta1, beta0=hyper.beta0, weight_decay=hyper.weight_decay,
                   decoupled=hyper.decoupled, maximize=hyper.maximize, lr_tensor=lr_tensor,
                   grad_scale=scaling.grad_scale, found_inf=scaling.found_inf,
                   bf16_stochastic_round=hyper.bf16_stochastic_round)
     if hyper.adaptive:
         max_exp_avg_sq = batch.buffers[3] if hyper.amsgrad else []
-        ops.adapnm_state_step_(batch.params, batch.grads, batch.buffers[0], batch.buffers[1],
-                               batch.buffers[2], max_exp_avg_sq, batch.steps, batch.seeds,
-                               batch.offsets, beta2=hyper.beta2, eps=hyper.eps,
-                               amsgrad=hyper.amsgrad, **common)
+        op = ops.emulated_cuda_adapnm_state_step_ if emulate else ops.adapnm_state_step_
+        op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.buffers[2],
+           max_exp_avg_sq, batch.steps, batch.seeds, batch.offsets, beta2=hyper.beta2,
+           eps=hyper.eps, amsgrad=hyper.amsgrad, **common)
     else:
-        ops.pnm_state_step_(batch.params, batch.grads, batch.buffers[0], batch.buffers[1],
-                            batch.steps, batch.seeds, batch.offsets, **common)
+        op = ops.emulated_cuda_pnm_state_step_ if emulate else ops.pnm_state_step_
+        op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.steps,
+           batch.seeds, batch.offsets, **common)
