@@ -80,6 +80,12 @@ stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloa
 stage bench_fp64 60 python3 benchmarks/bench_step.py --device cuda --dtype float64 \
   --sets small2000,transformer,flat64M,flat256M --rounds 9 --no-compiled --out "$WORK"
 
+# bfloat16 state (csrc/state_block.h): its CUDA kernel's time and bytes beside float32 state's
+# and torch's fused optimizers.
+mkdir -p "$WORK/bf16_state"
+stage bench_bf16_state 60 python3 benchmarks/bench_step.py --device cuda --state-dtype bfloat16 \
+  --sets transformer,flat64M,flat256M --rounds 9 --out "$WORK/bf16_state"
+
 cat > "$WORK/sanitize_step.py" <<'PY'
 import torch
 from pnm_kernels import PNM, AdaPNM
@@ -90,10 +96,17 @@ for dtype in (torch.float32, torch.bfloat16, torch.float64):
                   for s in [(1,), (3,), (4097,), (70001,), (33, 5)]]
             odd = torch.randn(1001, device="cuda", dtype=dtype)[1:].requires_grad_()  # misaligned
             opt = opt_cls(ps + [odd], lr=1e-3, backend=backend)
+            opt_state = opt_cls([p.detach().clone().requires_grad_() for p in ps + [odd]],
+                                lr=1e-3, backend="fused", state_dtype=torch.bfloat16,
+                                bf16_stochastic_round=True) if dtype != torch.float64 else None
             for _ in range(3):
                 for p in ps + [odd]:
                     p.grad = torch.randn_like(p)
                 opt.step()
+                if opt_state is not None:  # the state kernel (state_block.h) too
+                    for p in opt_state.param_groups[0]["params"]:
+                        p.grad = torch.randn_like(p)
+                    opt_state.step()
 torch.cuda.synchronize()
 print("sanitized step ran")
 PY
@@ -108,6 +121,8 @@ stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets t
   --rounds 5 --compiled --out "$WORK/compiled"
 # Unchanged by most commits, so after the new measurements.
 stage gpt_fsdp2 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3
+stage gpt_fsdp2_bf16_state 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
+  --state-dtype bfloat16
 # Last, within what is left of the deadline. Its ranking is a hint: a choice is adopted only
 # after bench_step.py --triton-configs times it side by side with the shipped table
 # (docs/performance.md, Triton launch configurations).
@@ -122,6 +137,8 @@ for f in "$WORK"/bench_step-cuda-*.md; do
   [ -f "$f" ] && head -1 "$f" && grep -E "\[(fused|triton)\]" "$f" | cut -c1-150
 done
 grep -E "\[fused\]|torch.compile\]" "$WORK/compiled/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
+grep -F "[fused" "$WORK/bf16_state/"*.md 2>/dev/null | cut -c1-150
+tail -6 "$WORK/gpt_fsdp2_bf16_state.log" 2>/dev/null
 cat "$WORK/chunk_sweep.md" 2>/dev/null
 cat "$WORK/launch_params.log" 2>/dev/null
 grep -A6 "^best" "$WORK/tune_triton.log" 2>/dev/null

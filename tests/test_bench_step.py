@@ -230,6 +230,11 @@ def test_gpt_fsdp2_example_runs_on_cpu(monkeypatch):
     assert set(results) == {"AdamW[fused]", "AdaPNM"}
     for tokens_per_s, loss in results.values():
         assert tokens_per_s > 0 and loss == loss
+    monkeypatch.setenv("MASTER_PORT", str(29600 + (os.getpid() + 1) % 1000))
+    with_state = gpt_fsdp2.main(["--steps", "2", "--warmup", "1", "--layers", "1", "--dim", "32",
+                                 "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+                                 "--no-compile", "--state-dtype", "bfloat16"])
+    assert with_state["AdaPNM"][1] == with_state["AdaPNM"][1]  # a finite loss
 
 
 def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_benchmark(

@@ -64,7 +64,8 @@ def train(name, args, device, rank):
         opt = torch.optim.AdamW(model.parameters(), lr=3e-4, weight_decay=0.1,
                                 fused=device.type == "cuda")
     else:
-        opt = AdaPNM(model.parameters(), lr=3e-4, weight_decay=0.1)
+        state_dtype = getattr(torch, args.state_dtype) if args.state_dtype else None
+        opt = AdaPNM(model.parameters(), lr=3e-4, weight_decay=0.1, state_dtype=state_dtype)
 
     def step(idx):
         with torch.autocast(device.type, dtype=torch.bfloat16):
@@ -100,12 +101,14 @@ def run(args, cuda):
     if cuda:
         torch.cuda.set_device(device)
     results = {}
-    for name in ("AdamW[fused]", "AdaPNM"):
+    names = ("AdamW[fused]", "AdaPNM")
+    for name in names:
         results[name] = train(name, args, device, rank)
     if rank == 0:
         where = torch.cuda.get_device_name() if cuda else "CPU"
         print(f"GPT {args.layers}x{args.dim}, seq {args.seq}, batch {args.batch}/rank, "
-              f"world {dist.get_world_size()}, {where}, compile={args.compile}")
+              f"world {dist.get_world_size()}, {where}, compile={args.compile}, "
+              f"AdaPNM state_dtype={args.state_dtype or 'None'}")
         for name, (tps, loss) in results.items():
             print(f"  {name:<14} {tps:12,.0f} tokens/s   final loss {loss:.3f}")
         print(f"  AdaPNM / AdamW throughput: {results['AdaPNM'][0] / results['AdamW[fused]'][0]:.3f}")
@@ -123,6 +126,8 @@ def main(argv=None):
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--no-compile", dest="compile", action="store_false")
+    parser.add_argument("--state-dtype", choices=["float32", "bfloat16"],
+                        help="AdaPNM's state_dtype (default: the parameters' float32)")
     args = parser.parse_args(argv)
     cuda = torch.cuda.is_available()
     created = not dist.is_initialized()
