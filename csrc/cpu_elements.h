@@ -3,11 +3,14 @@
 // vectorises the loops that use them.
 #pragma once
 
+#include <ATen/Parallel.h>
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <vector>
 
 #include "cpu_half_lanes.h"
 
@@ -47,6 +50,26 @@ PNM_CPU_INLINE void store(c10::BFloat16* a, int64_t i, float v) {
 // 16-bit parameters; the fused kernel's fp16 path has its own lanes (cpu_half_lanes.h).
 PNM_CPU_INLINE float load(const c10::Half* a, int64_t i) { return static_cast<float>(a[i]); }
 PNM_CPU_INLINE void store(c10::Half* a, int64_t i, float v) { a[i] = static_cast<c10::Half>(v); }
+
+constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
+
+// The elements of n tensors (tensor i: [offsets[i], offsets[i + 1])) as one run, split between
+// threads by element count (a split by tensor or by chunk count leaves one thread with more
+// work when sizes differ), each thread's share at least kCpuChunk: a step over many tiny
+// tensors stays on the calling thread instead of paying to wake the others for microseconds
+// of work. Calls range(i, begin, end) for each tensor's part of a share.
+template <class Range>
+void for_each_share(const std::vector<int64_t>& offsets, int64_t n, Range&& range) {
+  at::parallel_for(0, offsets[n], kCpuChunk, [&](int64_t lo, int64_t hi) {
+    // The first tensor with elements at or after lo (empty tensors share its offset).
+    int64_t i = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
+    for (; i < n && offsets[i] < hi; ++i) {
+      const int64_t begin = std::max(lo, offsets[i]) - offsets[i];
+      const int64_t end = std::min(hi, offsets[i + 1]) - offsets[i];
+      if (begin < end) range(i, begin, end);
+    }
+  });
+}
 
 }  // namespace
 }  // namespace pnm

@@ -21,7 +21,6 @@
 namespace pnm {
 namespace {
 
-constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 constexpr int64_t kCpuTile = 512;
 
 // The loops take a local copy of the coefficients: through a reference GCC cannot rule out
@@ -179,18 +178,8 @@ void run_cpu_fused(const StepCall& call, const StepArgs& args) {
     work[i].coeffs = coeffs;
     offsets[i + 1] = offsets[i] + call.lists[0][i].numel();
   }
-  // The tensors as one run of elements, split between threads by element count (a split by
-  // tensor or by chunk count leaves one thread with more work when sizes differ), each
-  // thread's share at least kCpuChunk: a step over many tiny tensors stays on the calling
-  // thread instead of paying to wake the others for microseconds of work.
-  at::parallel_for(0, offsets[n], kCpuChunk, [&](int64_t lo, int64_t hi) {
-    // The first tensor with elements at or after lo (empty tensors share its offset).
-    int64_t i = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
-    for (; i < n && offsets[i] < hi; ++i) {
-      const int64_t begin = std::max(lo, offsets[i]) - offsets[i];
-      const int64_t end = std::min(hi, offsets[i + 1]) - offsets[i];
-      if (begin < end) cpu_range(work[i], begin, end, gf);
-    }
+  for_each_share(offsets, n, [&](int64_t i, int64_t begin, int64_t end) {
+    cpu_range(work[i], begin, end, gf);
   });
   for (int64_t i = 0; i < n; ++i) *static_cast<double*>(call.steps[i].data_ptr()) += 1.0;
 }

@@ -19,8 +19,6 @@
 namespace pnm {
 namespace {
 
-constexpr int64_t kCpuChunk = 1 << 15;  // as cpu_kernel.cpp: the fewest elements a thread
-
 // A buffer element stored in the state's dtype: bfloat16 with 16 random bits (the low half
 // of `bits`), float32 as it is.
 PNM_CPU_INLINE void store_state(c10::BFloat16* a, int64_t i, float v, uint32_t bits) {
@@ -190,13 +188,8 @@ void run_state_step(const StepCall& call, const StepArgs& args) {
     w.step = static_cast<uint32_t>(static_cast<uint64_t>(step));
     offsets[i + 1] = offsets[i] + call.lists[0][i].numel();
   }
-  at::parallel_for(0, offsets[n], kCpuChunk, [&](int64_t lo, int64_t hi) {
-    int64_t i = std::upper_bound(offsets.begin(), offsets.end(), lo) - offsets.begin() - 1;
-    for (; i < n && offsets[i] < hi; ++i) {
-      const int64_t begin = std::max(lo, offsets[i]) - offsets[i];
-      const int64_t end = std::min(hi, offsets[i + 1]) - offsets[i];
-      if (begin < end) state_range<T, S, Algo>(work[i], begin, end, gf);
-    }
+  for_each_share(offsets, n, [&](int64_t i, int64_t begin, int64_t end) {
+    state_range<T, S, Algo>(work[i], begin, end, gf);
   });
   for (int64_t i = 0; i < n; ++i) *static_cast<double*>(call.steps[i].data_ptr()) += 1.0;
 }
