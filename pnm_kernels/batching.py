@@ -9,8 +9,6 @@ from typing import Optional
 from .backends import BACKENDS
 from .backends.base import Batch, HeldLists, held_lists_ok
 from .backends.layout import dense_like
-import torch
-
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
@@ -87,7 +85,8 @@ class BatchCache:
     def build(self, optimizer, group, params, names, flat):
         """The batch, its write-backs, and whether every state it read counts its changes
         (only then may its lists be reused: see state.py)."""
-        states = [self.state_for(optimizer, p, names, group) for p in params]
+        places = ParameterPlaces(optimizer)
+        states = [self.state_for(optimizer, p, names, group, places) for p in params]
         batch, writebacks = kernel_batch(params, [p.grad for p in params],
                                          [[state[name] for state in states] for name in names],
                                          [state["step"] for state in states], flat)
@@ -96,14 +95,15 @@ class BatchCache:
             batch.offsets = [element_offset(p) for p in params]
         return batch, writebacks, all(type(state) is ParamState for state in states)
 
-    def state_for(self, optimizer, p, names, group) -> dict:
+    def state_for(self, optimizer, p, names, group, places=None) -> dict:
         """p's state with these buffers: made where missing, converted where p (or a buffer,
         or its counter) was given new data since, or the group's state_dtype changed.
         Another shape is an error."""
         state_dtype = group["state_dtype"]
         seed = None
         if needs_seed(state_dtype, group["bf16_stochastic_round"], p.dtype):
-            seed = lambda: parameter_index(optimizer, p)  # noqa: E731  (where it has none)
+            places = places or ParameterPlaces(optimizer)
+            seed = lambda: places(p)  # noqa: E731  (where it has none)
         try:
             state, replaced = ensure_state(optimizer.state, p, names,
                                            None if p.is_complex() else state_dtype, seed)
@@ -121,13 +121,21 @@ class BatchCache:
         return state
 
 
-def parameter_index(optimizer, p) -> int:
-    """p's place among all the optimizer's parameters, in param_groups order: the seed of
-    its random bits when its state is made (the same on every rank of a sharded model)."""
-    for i, q in enumerate(q for group in optimizer.param_groups for q in group["params"]):
-        if q is p:
-            return i
-    raise KeyError("not a parameter of this optimizer")
+class ParameterPlaces:
+    """Each parameter's place among all the optimizer's parameters, in param_groups order:
+    the seed of its random bits when its state is made (the same on every rank of a sharded
+    model). The map is made once, where a state first needs a seed: a search per parameter
+    made a first step over n parameters take n^2/2 comparisons."""
+
+    def __init__(self, optimizer) -> None:
+        self._optimizer = optimizer
+        self._places: Optional[dict] = None
+
+    def __call__(self, p) -> int:
+        if self._places is None:
+            params = (q for group in self._optimizer.param_groups for q in group["params"])
+            self._places = {id(q): i for i, q in enumerate(params)}
+        return self._places[id(p)]
 
 
 def writeback(writebacks) -> None:

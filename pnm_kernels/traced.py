@@ -9,7 +9,7 @@ import torch
 
 from .backends import BACKENDS, traceable
 from .backends.base import Scaling
-from .batching import writeback
+from .batching import ParameterPlaces, writeback
 from .hyper import Hyper, lr_dtype_for, needs_seed, validate_group
 from .params import check_unique, dense_copies, element_offset, kernel_batch, kernel_views
 from .plan import group_batches
@@ -65,12 +65,13 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
     names = optimizer._buffer_names[:num_buffers]
     out = []
+    places = ParameterPlaces(optimizer)
     for backend, idx, _, (device, dtype) in group_batches(group, gi, indices):
         backend = traceable(backend, device, dtype.to_real())
         copies, offsets = [], []
         for pi in idx:
             p = group["params"][pi]
-            state = optimizer._batches.state_for(optimizer, p, names, group)
+            state = optimizer._batches.state_for(optimizer, p, names, group, places)
             params.append(p)
             grads.append(p.grad)
             bufs = [state[name] for name in names]
