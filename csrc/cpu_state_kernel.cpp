@@ -19,13 +19,6 @@
 namespace pnm {
 namespace {
 
-// A buffer element stored in the state's dtype: bfloat16 with 16 random bits (the low half
-// of `bits`), float32 as it is.
-PNM_CPU_INLINE void store_state(c10::BFloat16* a, int64_t i, float v, uint32_t bits) {
-  a[i].x = bf16_bits_stochastic(v, bit_cast<uint32_t>(v), bits);
-}
-PNM_CPU_INLINE void store_state(float* a, int64_t i, float v, uint32_t) { a[i] = v; }
-
 // A parameter element stored in its dtype: to nearest, or (a bfloat16 parameter with
 // bf16_stochastic_round) stochastically with the low 16 bits of mix32(hash).
 template <typename T>
@@ -73,7 +66,7 @@ PNM_CPU_INLINE void pnm_state_loop(T* __restrict__ p, const T* __restrict__ g,
     pnm_element<kDecoupled>(pi, load(g, i) * gf, mi, load(m_other, i), coeffs);
     const uint32_t h = hash_for<S>(key, lo, param_stochastic);
     store_param(p, i, pi, param_stochastic, h);
-    store_state(m, i, mi, h >> 16);
+    store_buffer(m, i, mi, h >> 16);
   }
 }
 
@@ -91,9 +84,9 @@ PNM_CPU_INLINE void adapnm_state_loop(T* __restrict__ p, const T* __restrict__ g
                                          coeffs);
     const uint32_t h = hash_for<S>(key, lo, param_stochastic);
     store_param(p, i, pi, param_stochastic, h);
-    store_state(m, i, mi, h >> 16);
-    store_state(v, i, vi, h & 0xFFFFu);
-    if constexpr (kAmsgrad) store_state(v_max, i, vmi, h & 0xFFFFu);
+    store_buffer(m, i, mi, h >> 16);
+    store_buffer(v, i, vi, h & 0xFFFFu);
+    if constexpr (kAmsgrad) store_buffer(v_max, i, vmi, h & 0xFFFFu);
   }
 }
 

@@ -43,15 +43,6 @@ struct SeedsAndOffsets {
   }
 };
 
-template <typename S>
-PNM_HOST_DEVICE void store_buffer(S* a, int64_t i, float v, uint32_t bits) {
-  if constexpr (std::is_same_v<S, c10::BFloat16>) {
-    a[i].x = bf16_bits_stochastic(v, float_bits(v), bits);
-  } else {
-    a[i] = v;
-  }
-}
-
 template <typename T>
 PNM_HOST_DEVICE void store_param(T* a, int64_t i, float v, bool stochastic, uint32_t hash) {
   if constexpr (std::is_same_v<T, c10::BFloat16>) {

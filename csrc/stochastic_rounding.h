@@ -3,8 +3,11 @@
 // bfloat16, the same bits on every path. Host and device alike.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 
 #include "pnm_math.h"
 
@@ -51,6 +54,17 @@ PNM_HOST_DEVICE uint32_t float_bits(float v) {
 PNM_HOST_DEVICE uint16_t bf16_bits_stochastic(float v, uint32_t u, uint32_t bits) {
   const auto rounded = static_cast<uint16_t>((u + bits) >> 16);
   return v != v ? static_cast<uint16_t>(0x7FC0) : rounded;
+}
+
+// A state buffer's element stored in its dtype: bfloat16 with 16 random bits (the low half of
+// `bits`), float32 as it is. The fused CPU kernel and the CUDA block body both store so.
+template <typename S>
+PNM_HOST_DEVICE void store_buffer(S* a, int64_t i, float v, uint32_t bits) {
+  if constexpr (std::is_same_v<S, c10::BFloat16>) {
+    a[i].x = bf16_bits_stochastic(v, float_bits(v), bits);
+  } else {
+    a[i] = v;
+  }
 }
 
 }  // namespace pnm

@@ -7,7 +7,7 @@ from typing import Optional, Union
 
 import torch
 
-from .reference import compressed_state, needs_seed, noise_norm, steps_in_float32
+from .reference import needs_seed, noise_norm, steps_in_float32
 
 BACKEND_NAMES = ("auto", "fused", "triton", "foreach", "reference")
 # The group keys that decide a step (a group's other keys are the user's own, carried along).
@@ -197,4 +197,4 @@ def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
            "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
            "lr_dtype_for", "STATE_DTYPES", "check_state_dtype",
-           "compressed_state", "steps_in_float32", "needs_seed"]
+           "steps_in_float32", "needs_seed"]

@@ -9,9 +9,9 @@ import torch
 
 from .. import reference
 from ..hyper import Hyper, coefficients
-from ..rounding import (PARAM_SHIFT, bits_from_hash, element_hash, element_index,
+from ..rounding import (HASH_SHIFT, PARAM_SHIFT, bits_from_hash, element_hash, element_index,
                         round_bf16_stochastic)
-from .base import Batch, HeldLists, Launch, Scaling
+from .base import ADAPNM_BUFFERS, PNM_BUFFERS, Batch, HeldLists, Launch, Scaling
 from .reference import skip_step
 
 
@@ -90,9 +90,10 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
     backend.step(work, replace(hyper, state_dtype=None, bf16_stochastic_round=False), scaling)
     if batch.params[0].device.type == "meta":
         return
+    names = ADAPNM_BUFFERS if hyper.adaptive else PNM_BUFFERS  # the buffers' table order
     for i, param in enumerate(batch.params):
-        hashes = None
-        if batch.seeds:
+        hashes = torch.empty(0, dtype=torch.int64)  # no bfloat16 write, no seed: not read
+        if batch.seeds:  # where a bfloat16 is written stochastically (hyper.needs_seed)
             hashes = element_hash(batch.seeds[i], batch.steps[i].to(torch.int64),
                                   element_index(batch.buffers[0][i], batch.offsets[i]))
         if hyper.bf16_stochastic_round and param.dtype == torch.bfloat16:
@@ -102,7 +103,7 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
         for slot, (buffers, values) in enumerate(zip(batch.buffers, work.buffers)):
             buffer, value = buffers[i], values[i]
             if buffer.dtype == torch.bfloat16:
-                shift = 16 if slot < 2 else 0  # rounding.HASH_SHIFT, in table order
+                shift = HASH_SHIFT[names[slot]]
                 buffer.copy_(round_bf16_stochastic(value, bits_from_hash(hashes, shift)))
             elif value is not buffer:
                 buffer.copy_(value)
