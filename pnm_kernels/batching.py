@@ -5,6 +5,7 @@ and the state stay the same (StateWatch); only the gradients are new each step."
 import operator
 from typing import Optional
 
+import torch
 
 from .backends import BACKENDS
 from .backends.base import Batch, HeldLists, held_lists_ok
@@ -12,7 +13,8 @@ from .backends.layout import dense_like
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
-from .state import BufferShapeError, ParamState, StateWatch, ensure_state
+from .quantization import scale_name
+from .state import BufferShapeError, CodesWithoutScalesError, ParamState, StateWatch, ensure_state
 
 _MAX_ENTRIES = 64
 
@@ -93,6 +95,9 @@ class BatchCache:
         if needs_seed(group["state_dtype"], group["bf16_stochastic_round"], params[0].dtype):
             batch.seeds = [state["seed"] for state in states]
             batch.offsets = [element_offset(p) for p in params]
+        if group["state_dtype"] == torch.int8:
+            batch.scales = [[_local_or_none(state.get(scale_name(name))) for state in states]
+                            for name in names]
         return batch, writebacks, all(type(state) is ParamState for state in states)
 
     def state_for(self, optimizer, p, names, group, places=None) -> dict:
@@ -107,13 +112,19 @@ class BatchCache:
         try:
             state, replaced = ensure_state(optimizer.state, p, names,
                                            None if p.is_complex() else state_dtype, seed)
-        except BufferShapeError as e:
-            name, buffer = e.args
-            gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
-            pi = next(i for i, q in enumerate(group["params"]) if q is p)
+        except CodesWithoutScalesError as e:
             raise RuntimeError(
-                f"{describe(p, gi, pi)}: its state {name!r} has shape {tuple(buffer.shape)}; "
-                "the parameter was given data of another shape after its state was made. "
+                f"{_describe(optimizer, group, p)}: its state {e.args[0]!r} holds int8 codes "
+                f"but no {scale_name(e.args[0])!r} (their block scales): load the whole "
+                "state_dict the codes came from, or restart the parameter's state with "
+                "`del optimizer.state[param]`") from None
+        except BufferShapeError as e:
+            name, buffer, needed = e.args
+            raise RuntimeError(
+                f"{_describe(optimizer, group, p)}: its state {name!r} has shape "
+                f"{tuple(buffer.shape)}, not {tuple(needed)}: the parameter was given data of "
+                "another shape after its state was made, or a state_dict of another model was "
+                "loaded. "
                 "Restart its state with `del optimizer.state[param]`, or load a matching "
                 "state_dict") from None
         if replaced:
@@ -136,6 +147,16 @@ class ParameterPlaces:
             params = (q for group in self._optimizer.param_groups for q in group["params"])
             self._places = {id(q): i for i, q in enumerate(params)}
         return self._places[id(p)]
+
+
+def _describe(optimizer, group, p) -> str:
+    gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+    pi = next(i for i, q in enumerate(group["params"]) if q is p)
+    return describe(p, gi, pi)
+
+
+def _local_or_none(t):
+    return None if t is None else local(t)
 
 
 def writeback(writebacks) -> None:

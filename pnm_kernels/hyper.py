@@ -14,7 +14,7 @@ BACKEND_NAMES = ("auto", "fused", "triton", "foreach", "reference")
 PNM_KEYS = ("lr", "betas", "weight_decay", "decoupled", "maximize", "backend", "state_dtype",
             "bf16_stochastic_round")
 # What state_dtype may be (docs/design.md §7): None keeps the parameter's dtype.
-STATE_DTYPES = (None, torch.float32, torch.bfloat16)
+STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
 ADAPNM_KEYS = PNM_KEYS + ("eps", "amsgrad")
 
 
@@ -186,6 +186,17 @@ def check_state_dtype(state_dtype, param: torch.Tensor) -> None:
     if param.dtype == torch.float64:
         raise ValueError(f"state_dtype={state_dtype} is not supported for float64 parameters "
                          "(their state stays float64: state_dtype=None)")
+    if state_dtype == torch.int8 and not (type(param) in (torch.Tensor, torch.nn.Parameter)
+                                          or _rows_whole(param)):
+        raise ValueError("state_dtype=torch.int8 needs a DTensor sharded along dim 0 only "
+                         f"(FSDP2's Shard(0)) or replicated, got placements {param.placements}")
+
+
+def _rows_whole(param) -> bool:
+    """Whether a DTensor's local shards hold whole rows (its int8 blocks lie within rows)."""
+    from torch.distributed.tensor import Replicate, Shard
+    return all(isinstance(place, Replicate) or (isinstance(place, Shard) and place.dim == 0)
+               for place in getattr(param, "placements", ()))
 
 
 def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:

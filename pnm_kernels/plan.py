@@ -151,7 +151,8 @@ def group_batches(group, gi, indices):
                 backend = resolve_backend(group["backend"], p.device, real,
                                           steps_in_float32(group["state_dtype"],
                                                            group["bf16_stochastic_round"],
-                                                           p.dtype))
+                                                           p.dtype),
+                                          int8=group["state_dtype"] == torch.int8)
             except (RuntimeError, ValueError) as e:
                 raise type(e)(f"{describe(p, gi, pi)}: {e}") from None
             batches[key] = (backend, [], [True])

@@ -15,7 +15,8 @@ import math
 
 import torch
 
-from .rounding import HASH_SHIFT, PARAM_SHIFT, store_stochastic
+from . import quantization
+from .rounding import HASH_SHIFT, PARAM_SHIFT, element_index, random_bits, store_stochastic
 
 
 def noise_norm(beta0: float) -> float:
@@ -54,12 +55,19 @@ def _pn_momentum(m, m_other, beta0):
 def _in_float32(step, param, grad, state, names, offset, bf16_stochastic_round, **hyper):
     """One step with the state in its own dtype (bfloat16, or float32 beside 16-bit
     parameters): computed in float32, then written back (see the module's docstring)."""
-    work = {key: (value.float() if key in names else value) for key, value in state.items()}
+    work = {key: (_load(state, key) if key in names else value) for key, value in state.items()}
     param32 = param.float()  # param itself where it is float32
     step(param32, grad.float(), work, **hyper)
     t = int(state["step"].item())  # advanced through work, which holds the same counter
     for name in names:
-        if state[name].dtype == torch.bfloat16:
+        if quantization.scale_name(name) in state:  # int8 codes (quantization.py)
+            codes = state[name]
+            bits = random_bits(int(state["seed"].item()), t, HASH_SHIFT[name],
+                               element_index(codes, offset))
+            new_codes, scales = quantization.quantize(work[name], bits, quantization.SIGNED[name])
+            codes.copy_(new_codes)
+            state[quantization.scale_name(name)].copy_(scales)
+        elif state[name].dtype == torch.bfloat16:
             store_stochastic(state[name], work[name], seed=int(state["seed"].item()), step=t,
                              shift=HASH_SHIFT[name], offset=offset)
         elif work[name] is not state[name]:
@@ -71,6 +79,14 @@ def _in_float32(step, param, grad, state, names, offset, bf16_stochastic_round, 
         param.copy_(param32)
 
 
+def _load(state, name):
+    """A buffer's values in float32 (int8 codes decoded with their scales)."""
+    scales = state.get(quantization.scale_name(name))
+    if scales is None:
+        return state[name].float()
+    return quantization.dequantize(state[name], scales, quantization.SIGNED[name])
+
+
 def _state_names(state, adaptive):
     names = ["exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq"] if adaptive else [
         "pos_momentum", "neg_momentum"]
@@ -78,9 +94,10 @@ def _state_names(state, adaptive):
 
 
 def compressed_state(state_dtype, param_dtype: torch.dtype) -> bool:
-    """Whether a parameter's state is kept in a dtype of its own: bfloat16 (always with
-    stochastic rounding, even beside bfloat16 parameters) or float32 beside 16-bit ones."""
-    return state_dtype is not None and (state_dtype == torch.bfloat16
+    """Whether a parameter's state is kept in a dtype of its own: int8 or bfloat16 (always
+    with stochastic rounding, even beside bfloat16 parameters) or float32 beside 16-bit
+    ones."""
+    return state_dtype is not None and (state_dtype in (torch.bfloat16, torch.int8)
                                         or state_dtype != param_dtype)
 
 
@@ -94,7 +111,7 @@ def steps_in_float32(state_dtype, bf16_stochastic_round: bool, param_dtype: torc
 def needs_seed(state_dtype, bf16_stochastic_round: bool, param_dtype: torch.dtype) -> bool:
     """Whether a parameter's step draws random bits (writes some bfloat16 stochastically)."""
     return steps_in_float32(state_dtype, bf16_stochastic_round, param_dtype) and (
-        (state_dtype or param_dtype) == torch.bfloat16
+        (state_dtype or param_dtype) in (torch.bfloat16, torch.int8)
         or (bf16_stochastic_round and param_dtype == torch.bfloat16))
 
 

@@ -11,6 +11,7 @@ from typing import Callable, Optional
 
 import torch
 
+from . import quantization
 from .backends.base import STEP_DTYPE
 from .backends.layout import is_dense, same_dense_layout
 
@@ -162,6 +163,13 @@ class BufferShapeError(RuntimeError):
     pass
 
 
+class CodesWithoutScalesError(RuntimeError):
+    """A buffer of int8 codes whose scales are missing (args: the buffer's name)."""
+
+
+_CODE_DTYPES = (torch.int8, torch.uint8)
+
+
 def as_seed(seed, p) -> torch.Tensor:
     """A random-bits seed as the backends take it: an int64 tensor on its parameter's device
     (torch's load_state_dict casts it to the parameter's dtype: exact below 2^24)."""
@@ -179,7 +187,7 @@ def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
     state to its parameter) or the state_dtype changed. With `seed` (bfloat16 state), a seed
     for the random bits too, `seed()` where there is none. Returns the entry and whether an
     existing tensor was replaced (lists built before are stale). Raises
-    BufferShapeError(name, buffer) for a buffer of another shape."""
+    BufferShapeError(name, buffer, the shape it needs) for a buffer of another shape."""
     entry = counted_entry(state, p)
     if entry is None:
         entry = ParamState()
@@ -199,18 +207,134 @@ def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
         if counter is not known:
             put(entry, "seed", counter)
             replaced |= known is not None
+    if dtype == torch.int8:
+        return entry, _ensure_int8_buffers(entry, p, names) or replaced
     dtype = dtype or p.dtype
     for name in names:
         buffer = entry.get(name)
         if buffer is None:  # e.g. amsgrad switched on mid-run
             put(entry, name, torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
+        elif buffer.dtype in _CODE_DTYPES:  # int8 codes into another dtype
+            put(entry, name, torch.empty_like(p, dtype=dtype).copy_(_decoded(entry, name, p)))
+            _pop(entry, quantization.scale_name(name))
+            replaced = True
         elif not buffer_fits(buffer, p, dtype):
             if buffer.shape != p.shape:
-                raise BufferShapeError(name, buffer)
+                raise BufferShapeError(name, buffer, p.shape)
             # Into another state_dtype: rounded to nearest, once (docs/design.md §7).
             put(entry, name, torch.empty_like(p, dtype=dtype).copy_(buffer))
             replaced = True
     return entry, replaced
+
+
+def _pop(state: dict, key) -> None:
+    """The optimizer's own removal of an entry: not counted as a change."""
+    dict.pop(state, key)
+
+
+def int8_buffer_dtype(p, name: str) -> torch.dtype:
+    """The dtype of a buffer of p's state under state_dtype=torch.int8: its codes', or
+    bfloat16 where p's rows are shorter than a block (quantization.py)."""
+    if quantization.row_length(p.shape) is None:
+        return torch.bfloat16
+    return quantization.code_dtype(name)
+
+
+def _decoded(entry: dict, name: str, p) -> torch.Tensor:
+    """A buffer's values in float32, shaped like p: int8 codes decoded with their scales."""
+    codes, scales = entry[name], entry.get(quantization.scale_name(name))
+    if scales is None:
+        raise CodesWithoutScalesError(name)
+    if codes.shape != p.shape:
+        raise BufferShapeError(name, codes, p.shape)
+    if scales.shape != quantization.scales_shape(p.shape):
+        raise BufferShapeError(quantization.scale_name(name), scales,
+                               quantization.scales_shape(p.shape))
+    local_codes, local_scales = _local(codes), _local(scales)
+    values = quantization.dequantize(local_codes, local_scales, quantization.SIGNED[name])
+    return _like(p, values)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t if is_plain(t) else t.to_local()
+
+
+def _like(p, local_values: torch.Tensor) -> torch.Tensor:
+    """A tensor of p's kind (a DTensor sharded as p is) holding these local values."""
+    if is_plain(p):
+        return local_values
+    from torch.distributed.tensor import DTensor
+    return DTensor.from_local(local_values, p.device_mesh, p.placements, shape=p.shape,
+                              stride=p.stride())
+
+
+def _zero_scales(p) -> torch.Tensor:
+    shape = quantization.scales_shape(p.shape)
+    if is_plain(p):
+        return torch.zeros(shape, dtype=torch.float32, device=p.device)
+    from torch.distributed.tensor import zeros
+    return zeros(shape, dtype=torch.float32, device_mesh=p.device_mesh, placements=p.placements)
+
+
+def _ensure_int8_buffers(entry: dict, p, names) -> bool:
+    """The buffers of int8 state (quantization.py): codes and scales where p's rows hold a
+    block, bfloat16 elsewhere; made where missing, converted (rounded to nearest, once)
+    where they are of another kind. Returns whether an existing tensor was replaced."""
+    replaced = False
+    for name in names:
+        dtype = int8_buffer_dtype(p, name)
+        key = quantization.scale_name(name)
+        buffer, scales = entry.get(name), entry.get(key)
+        if dtype == torch.bfloat16:  # rows too short for a block
+            if buffer is not None and buffer.dtype in _CODE_DTYPES:
+                put(entry, name, torch.empty_like(p, dtype=dtype).copy_(_decoded(entry, name, p)))
+                _pop(entry, key)
+                replaced = True
+            elif buffer is None:
+                put(entry, name, torch.zeros_like(p, dtype=dtype))
+            elif not buffer_fits(buffer, p, dtype):
+                if buffer.shape != p.shape:
+                    raise BufferShapeError(name, buffer, p.shape)
+                put(entry, name, torch.empty_like(p, dtype=dtype).copy_(buffer))
+                replaced = True
+            continue
+        if buffer is None:
+            put(entry, name, torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format))
+            put(entry, key, _zero_scales(p))
+            continue
+        if buffer.shape != p.shape:
+            raise BufferShapeError(name, buffer, p.shape)
+        if scales is not None and codes_fit(buffer, scales, p, dtype):
+            continue
+        if buffer.dtype in _CODE_DTYPES:  # codes of another kind (a moved parameter's)
+            values = _local(_decoded(entry, name, p))
+        else:  # a float buffer (fp32 or bf16 state, a checkpoint's) into codes
+            values = _local(buffer).float()
+        codes, new_scales = quantization.quantize(
+            values.to(_local(p).device), quantization.NEAREST_BITS, quantization.SIGNED[name])
+        put(entry, name, _like(p, codes))
+        put(entry, key, _like_scales(p, new_scales))
+        replaced = True
+    return replaced
+
+
+def _like_scales(p, local_scales: torch.Tensor) -> torch.Tensor:
+    if is_plain(p):
+        return local_scales
+    from torch.distributed.tensor import DTensor
+    shape = quantization.scales_shape(p.shape)
+    return DTensor.from_local(local_scales, p.device_mesh, p.placements, shape=shape,
+                              stride=(shape[1], 1))
+
+
+def codes_fit(codes: torch.Tensor, scales: torch.Tensor, p, dtype: torch.dtype) -> bool:
+    """Whether int8 codes and their scales still match their parameter (dtype, device,
+    shape; dense row-major, as the block layout reads them)."""
+    if (codes.dtype != dtype or codes.shape != p.shape or codes.device != p.device
+            or scales.dtype != torch.float32 or scales.device != p.device
+            or scales.shape != quantization.scales_shape(p.shape)):
+        return False
+    return _local(codes).is_contiguous() and _local(scales).is_contiguous()
 
 
 class StateWatch:

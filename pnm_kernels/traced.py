@@ -11,16 +11,21 @@ from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import ParameterPlaces, writeback
 from .hyper import Hyper, lr_dtype_for, needs_seed, validate_group
-from .params import check_unique, dense_copies, element_offset, kernel_batch, kernel_views
+from .params import (check_unique, dense_copies, element_offset, kernel_batch, kernel_views,
+                     local)
 from .plan import group_batches
+from .quantization import scale_name
 
 
 def step(optimizer, scaling: Scaling) -> None:
     for group in optimizer.param_groups:
         lists: list[list[torch.Tensor]] = [[] for _ in range(8)]
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
+        # int8 state: a list per buffer (as batching's Batch.scales). Flat lists: dynamo finds
+        # the sources of the tensors the untraced _init_group puts into them.
+        scales: list[list] = [[] for _ in range(4)]
         batches = optimizer._init_group(group, params, grads, buffer0, buffer1, buffer2,
-                                        buffer3, steps, seeds)
+                                        buffer3, steps, seeds, *scales)
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
         buffers = [buffer0, buffer1, buffer2, buffer3][:hyper.num_buffers]
         start = 0
@@ -41,6 +46,8 @@ def step(optimizer, scaling: Scaling) -> None:
                 steps[start:end], BACKENDS[backend].flat, copies)
             if seeds:
                 batch.seeds, batch.offsets = seeds[start:end], list(offsets)
+            if scales[0]:
+                batch.scales = [slot[start:end] for slot in scales[:hyper.num_buffers]]
             BACKENDS[backend].step(batch, batch_hyper, Scaling(
                 *(None if t is None else t.to(device)
                   for t in (scaling.grad_scale, scaling.found_inf))))
@@ -49,11 +56,11 @@ def step(optimizer, scaling: Scaling) -> None:
 
 
 def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
-               seeds):
+               seeds, scales):
     """Run untraced (see the optimizer's _init_group): validates the group, checks its
     gradients, makes missing state, and fills the lists with the parameters that have a
-    gradient, their gradients, state buffers, step counters and (bfloat16 state) seeds, batch
-    after batch. Returns each batch's (backend, number of parameters, each one's
+    gradient, their gradients, state buffers, step counters, (bfloat16 or int8 state) seeds
+    and (int8 state) each buffer's block scales or None, batch after batch. Returns each batch's (backend, number of parameters, each one's
     dense_copies, each one's element_offset), decided here from
     the layouts: constants, as dynamo takes them. (Dynamo guards the parameters, not the gradients;
     the kernel refuses a gradient laid out otherwise.)"""
@@ -66,6 +73,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     names = optimizer._buffer_names[:num_buffers]
     out = []
     places = ParameterPlaces(optimizer)
+    int8 = group["state_dtype"] == torch.int8
     for backend, idx, _, (device, dtype) in group_batches(group, gi, indices):
         backend = traceable(backend, device, dtype.to_real())
         copies, offsets = [], []
@@ -78,6 +86,8 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
             for lst, buf in zip((buffer0, buffer1, buffer2, buffer3), bufs):
                 lst.append(buf)
             steps.append(state["step"])
+            for slot, name in zip(scales if int8 else (), names):
+                slot.append(None if scale_name(name) not in state else local(state[scale_name(name)]))
             if needs_seed(group["state_dtype"], group["bf16_stochastic_round"], p.dtype):
                 seeds.append(state["seed"])
                 offsets.append(element_offset(p))

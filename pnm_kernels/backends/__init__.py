@@ -32,11 +32,18 @@ triton_unavailable_reason = triton.unavailable_reason
 # elements and less below, spends less host time a step, repeats where a parameter with state
 # lacks a gradient, and runs inside any CUDA-graph capture (docs/performance.md, "auto").
 def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
-                    compressed: bool = False) -> str:
+                    compressed: bool = False, int8: bool = False) -> str:
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
     as measured (see above). `compressed`: the step runs in float32 with its own rounding
     (state_dtype, bf16_stochastic_round), which every backend but Triton does ("auto": fused,
-    else foreach). Raises RuntimeError/ValueError saying why a requested backend cannot run."""
+    else foreach). `int8`: int8 state, which only the reference and foreach steps keep yet
+    ("auto": foreach). Raises RuntimeError/ValueError saying why a requested backend cannot
+    run."""
+    if int8 and requested in ("auto", "fused", "triton"):
+        if requested != "auto":
+            raise RuntimeError(f"backend={requested!r} does not keep int8 state "
+                               "(state_dtype=torch.int8) yet: use backend='auto' or 'foreach'")
+        requested = "foreach"
     if compressed and requested in ("auto", "triton"):
         if requested == "triton":
             raise RuntimeError("backend='triton' does not keep the state in a dtype other than "

@@ -44,6 +44,9 @@ class Batch:
     # elements of the whole parameter before its shard (0 where it is not sharded).
     seeds: list = field(default_factory=list)
     offsets: list = field(default_factory=list)
+    # int8 state (pnm_kernels/quantization.py): one list per buffer name, like buffers, of
+    # each parameter's block scales (None where its buffer is bfloat16).
+    scales: list = field(default_factory=list)
 
 
 @dataclass(frozen=True)

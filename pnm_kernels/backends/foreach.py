@@ -9,6 +9,7 @@ import torch
 
 from .. import reference
 from ..hyper import Hyper, coefficients
+from ..quantization import SIGNED, dequantize, quantize
 from ..rounding import (HASH_SHIFT, PARAM_SHIFT, bits_from_hash, element_hash, element_index,
                         round_bf16_stochastic)
 from .base import ADAPNM_BUFFERS, PNM_BUFFERS, Batch, HeldLists, Launch, Scaling
@@ -84,13 +85,16 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
     their dtype. Eager or traced alike: the random bits come from the counters as tensors."""
     if not torch.compiler.is_compiling() and skip_step(scaling.found_inf):
         return
+    names = ADAPNM_BUFFERS if hyper.adaptive else PNM_BUFFERS  # the buffers' table order
+    scales = batch.scales or [[None] * len(batch.params) for _ in batch.buffers]
     work = Batch(params=[p.float() for p in batch.params], grads=[g.float() for g in batch.grads],
-                 buffers=[[b.float() for b in buffers] for buffers in batch.buffers],
+                 buffers=[[b.float() if s is None else dequantize(b, s, SIGNED[name])
+                           for b, s in zip(buffers, slot_scales)]
+                          for name, buffers, slot_scales in zip(names, batch.buffers, scales)],
                  steps=batch.steps)
     backend.step(work, replace(hyper, state_dtype=None, bf16_stochastic_round=False), scaling)
     if batch.params[0].device.type == "meta":
         return
-    names = ADAPNM_BUFFERS if hyper.adaptive else PNM_BUFFERS  # the buffers' table order
     for i, param in enumerate(batch.params):
         hashes = torch.empty(0, dtype=torch.int64)  # no bfloat16 write, no seed: not read
         if batch.seeds:  # where a bfloat16 is written stochastically (hyper.needs_seed)
@@ -102,7 +106,12 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
             param.copy_(work.params[i])
         for slot, (buffers, values) in enumerate(zip(batch.buffers, work.buffers)):
             buffer, value = buffers[i], values[i]
-            if buffer.dtype == torch.bfloat16:
+            if scales[slot][i] is not None:  # int8 codes (quantization.py)
+                bits = bits_from_hash(hashes, HASH_SHIFT[names[slot]])
+                codes, block_scales = quantize(value, bits, SIGNED[names[slot]])
+                buffer.copy_(codes)
+                scales[slot][i].copy_(block_scales)
+            elif buffer.dtype == torch.bfloat16:
                 shift = HASH_SHIFT[names[slot]]
                 buffer.copy_(round_bf16_stochastic(value, bits_from_hash(hashes, shift)))
             elif value is not buffer:

@@ -5,6 +5,7 @@ import torch
 
 from .. import reference
 from ..hyper import Hyper
+from ..quantization import scale_name
 from .base import ADAPNM_BUFFERS, PNM_BUFFERS, Batch, HeldLists, Launch, Scaling
 
 
@@ -31,6 +32,9 @@ class ReferenceBackend:
         for i, (param, grad) in enumerate(zip(batch.params, batch.grads)):
             state = {name: buffers[i] for name, buffers in zip(names, batch.buffers)}
             state["step"] = batch.steps[i]
+            for name, scales in zip(names, batch.scales):  # int8 state
+                if scales[i] is not None:
+                    state[scale_name(name)] = scales[i]
             if batch.seeds:  # stochastic rounding: its random bits' seed and index offset
                 state["seed"] = batch.seeds[i]
                 common["offset"] = batch.offsets[i]

@@ -1,0 +1,152 @@
+"""int8 optimizer state (state_dtype=torch.int8, docs/design.md §8): block-wise quantised codes,
+one float32 scale per block, codes written with stochastic rounding. The ground truth, in
+torch ops: reference.py stores and loads int8 state with these functions.
+
+Layout. A parameter with at least two dimensions is a stack of rows (its dim-0 slices, of
+numel / shape[0] elements each, in row-major order); each row is cut into blocks of BLOCK
+elements, its last block shorter where BLOCK does not divide the row. A block never crosses a
+row, so FSDP2's dim-0 shards (uneven ones too) hold whole blocks, and a sharded run quantises
+exactly as one process does. The scales form a (shape[0], blocks per row) float32 tensor,
+sharded along dim 0 with its parameter. A parameter whose rows are shorter than a block
+(biases, norms' weights: one-element rows) keeps bfloat16 state instead (stochastic rounding
+too); so does one of no elements.
+
+Map. A code c stands for sign(c) * (|c| / cmax)^POWER * scale, with scale the block's largest
+magnitude: momenta in signed codes (int8, cmax 127), second moments in unsigned ones (uint8,
+cmax 255). The power spends the codes where the values are: near zero. Chosen by measurement
+(docs/performance.md, "int8 state"): POWER 2 for momenta, 4 for second moments, BLOCK 128.
+
+Rounding. A value x in [lo, hi], between two neighbouring codes' values, is stored as hi with
+probability (x - lo) / (hi - lo), decided by 16 random bits (those rounding.py gives the
+buffer's bfloat16): unbiased. A block whose largest magnitude is 0 stores zeros; one holding
+a non-finite value stores scale NaN (the whole block reads NaN: GradScaler's skipped steps
+never write one).
+"""
+import math
+from typing import Optional
+
+import torch
+
+BLOCK = 128
+SIGNED_MAX = 127    # momenta: int8 codes in [-127, 127]
+UNSIGNED_MAX = 255  # second moments: uint8 codes in [0, 255]
+MOMENTUM_POWER = 2
+SECOND_MOMENT_POWER = 4
+# Which buffers hold signed codes (momenta) and which unsigned (second moments).
+SIGNED = {"pos_momentum": True, "neg_momentum": True, "exp_avg": True, "neg_exp_avg": True,
+          "exp_avg_sq": False, "max_exp_avg_sq": False}
+# A checkpoint's float state converted into codes, and codes read back into another dtype,
+# round to nearest: random bits fixed at one half.
+NEAREST_BITS = 0x8000
+
+
+def scale_name(name: str) -> str:
+    """The state key of a buffer's scales."""
+    return name + "_scale"
+
+
+def row_length(shape: torch.Size) -> Optional[int]:
+    """The length of a parameter's rows where it keeps int8 state, else None (bfloat16)."""
+    if len(shape) < 2 or shape[0] == 0:
+        return None
+    length = shape.numel() // shape[0]
+    return length if length >= BLOCK else None
+
+
+def blocks_per_row(length: int) -> int:
+    return -(-length // BLOCK)
+
+
+def scales_shape(shape: torch.Size) -> tuple[int, int]:
+    """The shape of the scales of a parameter of this shape that keeps int8 state."""
+    length = row_length(shape)
+    assert length is not None
+    return shape[0], blocks_per_row(length)
+
+
+def code_dtype(name: str) -> torch.dtype:
+    return torch.int8 if SIGNED[name] else torch.uint8
+
+
+def _code_max_and_power(signed: bool) -> tuple[int, int]:
+    return (SIGNED_MAX, MOMENTUM_POWER) if signed else (UNSIGNED_MAX, SECOND_MOMENT_POWER)
+
+
+def _row_length_of(x: torch.Tensor) -> int:
+    return math.prod(x.shape[1:])  # a shard may hold no rows
+
+
+def _blocks(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x (rows of `length`) as (rows, blocks, BLOCK), zero-padded at row ends."""
+    rows = x.reshape(-1, length)
+    pad = blocks_per_row(length) * BLOCK - length
+    if pad:
+        rows = torch.nn.functional.pad(rows, (0, pad))
+    return rows.reshape(rows.shape[0], -1, BLOCK)
+
+
+def _per_element(scales: torch.Tensor, length: int) -> torch.Tensor:
+    """Each element's block scale, as (rows, length). Indexed, not expanded: inductor
+    (torch 2.14) fused an expanded, reshaped and sliced scale tensor into a product with
+    the wrong indices past the first block of each row."""
+    block_of = torch.arange(length, device=scales.device) // BLOCK
+    return scales.float()[:, block_of]
+
+
+def _magnitude(code: torch.Tensor, cmax: int, power: int) -> torch.Tensor:
+    """(code / cmax)^power (power 1, 2 or 4) in float32, multiplied out as kernels do it."""
+    t = code.float() / cmax
+    if power >= 2:
+        t = t * t
+    return t * t if power == 4 else t
+
+
+def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
+    """The float32 values of a buffer's codes (shaped like them)."""
+    cmax, power = _code_max_and_power(signed)
+    length = _row_length_of(codes)
+    c = codes.contiguous().reshape(-1, length).to(torch.int32)
+    value = _magnitude(c.abs(), cmax, power) * _per_element(scales, length)
+    if signed:
+        value = torch.where(c < 0, -value, value)
+    return value.reshape(codes.shape)
+
+
+def quantize(x: torch.Tensor, bits, signed: bool):
+    """(codes, scales) for float32 values x (a parameter's shape), each code rounded up with
+    probability given by its 16 random bits `bits` (int64 in [0, 2^16), shaped like x, or a
+    number: NEAREST_BITS rounds to nearest); see the module's docstring."""
+    cmax, power = _code_max_and_power(signed)
+    length = _row_length_of(x)
+    rows = x.float().contiguous().reshape(-1, length)
+    magnitude = rows.abs()
+    block_scales = _blocks(magnitude, length).amax(dim=-1)
+    finite = torch.isfinite(block_scales)
+    if not signed:  # a negative second moment: NaN too
+        finite &= _blocks(rows, length).amin(dim=-1) >= 0
+    block_scales = torch.where(finite, block_scales, torch.full_like(block_scales, float("nan")))
+    scale = _per_element(block_scales, length)
+    a = magnitude / scale  # in [0, 1]; NaN where the block is all zeros or not finite
+    root = torch.sqrt(a) if power >= 2 else a
+    if power == 4:
+        root = torch.sqrt(root)
+    low = torch.floor(root * cmax).clamp_(0, cmax - 1)
+    low = torch.where(torch.isnan(low), torch.zeros_like(low), low)
+    below, above = _magnitude(low, cmax, power), _magnitude(low + 1, cmax, power)
+    chance = (a - below) / (above - below)
+    if torch.is_tensor(bits):
+        bits = bits.reshape(-1, length)
+    up = bits * (1.0 / 65536) < chance  # False where chance is NaN
+    code = (low + up.float()).to(torch.int32)
+    if signed:
+        code = torch.where(rows < 0, -code, code)
+    codes = code.reshape(x.shape).to(code_dtype_for(signed))
+    return codes, block_scales
+
+
+def code_dtype_for(signed: bool) -> torch.dtype:
+    return torch.int8 if signed else torch.uint8
+
+
+__all__ = ["BLOCK", "SIGNED", "NEAREST_BITS", "scale_name", "row_length", "scales_shape",
+           "code_dtype", "dequantize", "quantize"]

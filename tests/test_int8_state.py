@@ -1,0 +1,303 @@
+"""state_dtype=torch.int8 (pnm_kernels/quantization.py, docs/design.md §8): block-wise codes
+with one float32 scale per block, written with stochastic rounding. Every path that keeps it
+gives the reference's parameters, codes and scales bitwise; the codes are unbiased; blocks
+lie within dim-0 rows, so sharded parameters quantise as whole ones; the state travels in a
+plain state_dict, converts to and from other state dtypes, and what does not fit is refused
+naming it before anything is touched. (Training as well as float32 state, and the drift
+test: tests/test_state_dtype.py, over both compressed dtypes.)"""
+import io
+
+import pytest
+import torch
+
+from cases import INT8_PATHS, OPTIMIZERS, parametrize
+from pnm_kernels import PNM, AdaPNM, quantization, reference
+from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
+from pnm_kernels.state import ensure_state
+
+# Rows of 300 (blocks of 128, 128 and 44), a 1-D bias (bfloat16 state), rows of 256 in a 3-D
+# tensor, one row of exactly one block.
+SHAPES = [(6, 300), (11,), (3, 4, 64), (1, 128)]
+STEPS = 12
+VARIANTS = {"decoupled": dict(weight_decay=0.1),
+            "l2-max": dict(weight_decay=0.1, decoupled=False, maximize=True),
+            "plain": dict(amsgrad=False)}
+
+
+def _params(dtype, seed=0, shapes=SHAPES):
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.nn.Parameter(torch.randn(s, generator=gen).to(dtype)) for s in shapes]
+
+
+def _run(optimizer, params, steps, first=0):
+    for t in range(first, first + steps):
+        gen = torch.Generator().manual_seed(100 + t)
+        for p in params:
+            p.grad = torch.randn(p.shape, generator=gen).to(p.dtype)
+        optimizer.step()
+
+
+def _assert_same(opt_a, params_a, opt_b, params_b):
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, value in opt_a.state[p].items():
+            other = opt_b.state[q][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), key
+
+
+def _round_trip(state_dict):
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+# -- every path steps as the reference ----------------------------------------------------
+
+@pytest.mark.parametrize("variant", list(VARIANTS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+@parametrize(INT8_PATHS, args=("name", "path"))
+def test_int8_state_steps_as_the_reference(name, path, dtype, variant):
+    if variant == "plain" and name == "PNM":
+        pytest.skip("PNM has no AMSGrad")
+    runs = []
+    for backend in ("reference", path):
+        params = _params(dtype)
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=torch.int8,
+                               **VARIANTS[variant])
+        _run(opt, params, STEPS)
+        runs.append((opt, params))
+    _assert_same(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_momenta_are_signed_codes_second_moments_unsigned_and_short_rows_bfloat16(name):
+    params = _params(torch.float32)
+    opt = OPTIMIZERS[name](params, state_dtype=torch.int8)
+    _run(opt, params, 1)
+    names = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq") if name == "AdaPNM" \
+        else ("pos_momentum", "neg_momentum")
+    for p in params:
+        state = opt.state[p]
+        for key in names:
+            if p.dim() == 1:  # a row of one element: no block to share a scale
+                assert state[key].dtype == torch.bfloat16 and scale_name(key) not in state
+                continue
+            assert state[key].dtype == (torch.int8 if "sq" not in key else torch.uint8)
+            rows, length = p.shape[0], p[0].numel()
+            assert state[scale_name(key)].shape == (rows, -(-length // BLOCK))
+            assert state[scale_name(key)].dtype == torch.float32
+
+
+@pytest.mark.parametrize("name,most", [("PNM", 2.1), ("AdaPNM", 4.2)])
+def test_state_bytes_per_element_on_a_transformer_layer(name, most):
+    """GPT-2's layer shapes (weights 768 wide, biases and norms): scales included, PNM
+    keeps at most 2.1 bytes an element and AdaPNM with AMSGrad at most 4.2."""
+    shapes = [(2304, 768), (2304,), (768, 768), (768,), (3072, 768), (3072,), (768, 3072),
+              (768,), (768,), (768,)]
+    params = [torch.nn.Parameter(torch.zeros(s)) for s in shapes]
+    opt = OPTIMIZERS[name](params, state_dtype=torch.int8)
+    _run(opt, params, 1)
+    elements = sum(p.numel() for p in params)
+    state_bytes = sum(v.numel() * v.element_size() for p in params
+                      for k, v in opt.state[p].items() if k not in ("step", "seed"))
+    assert state_bytes / elements <= most
+
+
+# -- the codes ----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("signed", [True, False])
+def test_codes_are_unbiased_over_their_random_bits(signed):
+    """Each of 65,536 draws of the 16 bits, for one block of values spread over six decades:
+    the average decoded value is the value itself, to within 2^-16 of the gap between the
+    two codes around it."""
+    gen = torch.Generator().manual_seed(0)
+    x = torch.logspace(-6, 0, BLOCK) * (torch.randint(0, 2, (BLOCK,), generator=gen) * 2 - 1
+                                        if signed else 1)
+    bits = torch.arange(65536).repeat_interleave(BLOCK).reshape(65536, BLOCK)
+    codes, scales = quantize(x.expand(65536, BLOCK), bits, signed)
+    values = dequantize(codes, scales, signed).double()
+    assert (codes.int().amax(0) - codes.int().amin(0)).max() <= 1  # two neighbours only
+    gap = values.amax(0) - values.amin(0)
+    bias = (values.mean(0) - x.double()).abs()
+    assert (bias <= gap / 65536 + 1e-7 * x.abs().double()).all()
+
+
+def test_the_largest_magnitude_is_kept_exactly_and_zero_blocks_stay_zero():
+    x = torch.randn(3, 2 * BLOCK)
+    x[1, :BLOCK] = 0.0
+    codes, scales = quantize(x, NEAREST_BITS, True)
+    values = dequantize(codes, scales, True)
+    assert torch.equal(scales[1, 0], torch.tensor(0.0)) and torch.equal(values[1, :BLOCK], x[1, :BLOCK])
+    blocks = x.reshape(3, 2, BLOCK)
+    top = blocks.abs().argmax(-1, keepdim=True)
+    assert torch.equal(values.reshape(3, 2, BLOCK).gather(-1, top), blocks.gather(-1, top))
+
+
+def test_a_block_holding_a_non_finite_value_reads_nan_and_the_others_stay():
+    x = torch.randn(2, 2 * BLOCK)
+    x[0, 5] = float("inf")
+    codes, scales = quantize(x, NEAREST_BITS, True)
+    values = dequantize(codes, scales, True)
+    assert values[0, :BLOCK].isnan().all()
+    assert torch.allclose(values[0, BLOCK:], x[0, BLOCK:], rtol=0.05, atol=0.05 * x.abs().max())
+    assert not values[1].isnan().any()
+
+
+def test_dim0_shards_quantise_as_the_whole_parameter():
+    """FSDP2 shards along dim 0, unevenly: each shard stepped with the elements before it as
+    its offset gives bitwise the whole parameter's step, codes and scales included."""
+    rows, length = 31, 200
+    whole = torch.randn(rows, length)
+    grads = [torch.randn(rows, length) for _ in range(6)]
+    common = dict(lr=1e-2, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.1,
+                  amsgrad=True, decoupled=True, maximize=False, state_dtype=torch.int8)
+    names = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
+
+    def fresh_state(n):
+        state = {name: torch.zeros(n, length, dtype=quantization.code_dtype(name)) for name in names}
+        state.update({scale_name(name): torch.zeros(n, 2) for name in names})
+        state.update(step=torch.zeros((), dtype=torch.float64), seed=torch.tensor(5))
+        return state
+
+    param, state = whole.clone(), fresh_state(rows)
+    shards = [(0, 16), (16, 31)]
+    shard_params = [whole[a:b].clone() for a, b in shards]
+    shard_states = [fresh_state(b - a) for a, b in shards]
+    for g in grads:
+        reference.adapnm_step(param, g, state, **common)
+        for (a, b), p, s in zip(shards, shard_params, shard_states):
+            reference.adapnm_step(p, g[a:b], s, offset=a * length, **common)
+    assert torch.equal(torch.cat(shard_params), param)
+    for key in state:
+        if key not in ("step", "seed"):
+            assert torch.equal(torch.cat([s[key] for s in shard_states]), state[key]), key
+
+
+# -- checkpoints --------------------------------------------------------------------------
+
+@pytest.mark.parametrize("param_dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_saved_int8_state_resumes_bitwise(name, param_dtype):
+    """Through torch.save and torch.load(weights_only=True): codes, float32 scales (torch
+    would cast them to bfloat16 parameters' dtype) and the seed come back as they were."""
+    cls = OPTIMIZERS[name]
+    params = _params(param_dtype)
+    opt = cls(params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 5)
+    saved, saved_params = _round_trip(opt.state_dict()), [p.detach().clone() for p in params]
+    _run(opt, params, 5, first=5)
+    resumed = [torch.nn.Parameter(p) for p in saved_params]
+    opt2 = cls(resumed, lr=1e-2, state_dtype=torch.int8)
+    opt2.load_state_dict(saved)
+    _run(opt2, resumed, 5, first=5)
+    _assert_same(opt, params, opt2, resumed)
+
+
+@pytest.mark.parametrize("other", [torch.float32, torch.bfloat16])
+def test_state_converts_to_int8_codes_rounded_to_nearest_and_back_decoded(other):
+    """ensure_state, as a step meets a buffer of another dtype: float values become the
+    codes rounded to nearest (no random bits: once), codes become their decoded values."""
+    p = torch.nn.Parameter(torch.randn(6, 300))
+    momentum = torch.randn(6, 300).to(other)
+    state = {p: {"step": torch.zeros((), dtype=torch.float64), "pos_momentum": momentum.clone(),
+                 "neg_momentum": momentum.clone()}}
+    entry, replaced = ensure_state(state, p, ["pos_momentum", "neg_momentum"], torch.int8,
+                                   seed=lambda: 0)
+    codes, scales = quantize(momentum.float(), NEAREST_BITS, True)
+    assert replaced and torch.equal(entry["pos_momentum"], codes)
+    assert torch.equal(entry[scale_name("pos_momentum")], scales)
+    entry, replaced = ensure_state(state, p, ["pos_momentum", "neg_momentum"], other)
+    assert replaced and scale_name("pos_momentum") not in entry
+    assert torch.equal(entry["pos_momentum"], dequantize(codes, scales, True).to(other))
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_float32_checkpoint_loads_into_int8_state_and_back(name):
+    cls = OPTIMIZERS[name]
+    params = _params(torch.float32)
+    opt = cls(params, lr=1e-2)
+    _run(opt, params, 4)
+    into = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    compressed = cls(into, lr=1e-2, state_dtype=torch.int8)
+    compressed.load_state_dict(_round_trip(opt.state_dict()))
+    _run(compressed, into, 1, first=4)
+    key = "exp_avg_sq" if name == "AdaPNM" else "pos_momentum"
+    assert compressed.state[into[0]][key].dtype == quantization.code_dtype(key)
+    assert "seed" in compressed.state[into[0]]
+    back = [torch.nn.Parameter(p.detach().clone()) for p in into]
+    plain = cls(back, lr=1e-2)
+    plain.load_state_dict(_round_trip(compressed.state_dict()))
+    _run(plain, back, 1, first=5)
+    assert plain.state[back[0]][key].dtype == torch.float32
+    assert scale_name(key) not in plain.state[back[0]]
+
+
+def test_conversion_rounds_each_value_to_a_neighbouring_code():
+    x = torch.randn(4, 300)
+    codes, scales = quantize(x, NEAREST_BITS, True)
+    values = dequantize(codes, scales, True)
+    step = scales.repeat_interleave(BLOCK, dim=1)[:, :300] * (2 / 127)  # the widest gap
+    assert ((values - x).abs() <= step / 2 + 1e-7).all()
+
+
+# -- refusals -----------------------------------------------------------------------------
+
+@pytest.mark.parametrize("edit,culprit", [
+    (lambda s: s.pop(scale_name("exp_avg")), r"'exp_avg' holds int8 codes but no 'exp_avg_scale'"),
+    (lambda s: s.__setitem__(scale_name("exp_avg"), torch.zeros(6, 2)),
+     r"'exp_avg_scale' has shape \(6, 2\), not \(6, 3\)"),
+])
+def test_a_checkpoint_whose_codes_and_scales_do_not_fit_is_refused_naming_them(edit, culprit):
+    params = _params(torch.float32)
+    opt = AdaPNM(params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 2)
+    saved = _round_trip(opt.state_dict())
+    edit(saved["state"][0])
+    fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    opt2 = AdaPNM(fresh, lr=1e-2, state_dtype=torch.int8)
+    opt2.load_state_dict(saved)
+    before = [p.detach().clone() for p in fresh]
+    for p in fresh:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=rf"params'\]\[0\].*{culprit}"):
+        opt2.step()
+    assert all(torch.equal(p, b) for p, b in zip(fresh, before))
+
+
+@pytest.mark.parametrize("backend", ["fused", "triton"])
+def test_a_backend_without_int8_state_says_so_before_any_step(backend):
+    p = torch.nn.Parameter(torch.randn(4, 128))
+    opt = PNM([p], backend=backend, state_dtype=torch.int8)
+    p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=rf"backend='{backend}'.*int8"):
+        opt.step()
+    assert not opt.state
+
+
+@pytest.mark.parametrize("dtype,culprit", [(torch.float64, "float64"), (torch.complex64, "complex")])
+def test_int8_state_for_a_dtype_without_it_is_refused_naming_the_parameter(dtype, culprit):
+    good = torch.nn.Parameter(torch.randn(2, 128))
+    bad = torch.nn.Parameter(torch.randn(2, 128, dtype=dtype))
+    opt = AdaPNM([good, bad], state_dtype=torch.int8)
+    good.grad, bad.grad = torch.ones_like(good), torch.ones_like(bad)
+    with pytest.raises(ValueError, match=rf"params'\]\[1\].*{culprit}"):
+        opt.step()
+    assert not opt.state
+
+
+# -- torch.compile ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_compiled_step_with_int8_state_has_no_graph_break_and_steps_as_eager(name):
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        params = _params(torch.float32)
+        opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=torch.int8, weight_decay=0.1)
+        step = torch.compile(opt.step, fullgraph=True) if compiled else opt.step
+        _run(type("Step", (), {"step": staticmethod(step)})(), params, 4)
+        runs.append((opt, params))
+    for p, q in zip(runs[0][1], runs[1][1]):
+        torch.testing.assert_close(p, q)
