@@ -40,8 +40,10 @@ with_cuda = (
 )
 
 # No contraction into FMA: the CPU kernel is bitwise equal to the emulated CUDA block body
-# (AVX-512 targets enable FMA in GCC, which would contract by default).
-cxx_flags = ["-O3", "-fno-math-errno", "-ffp-contract=off", "-fopenmp"]
+# (AVX-512 targets enable FMA in GCC, which would contract by default). No trapping maths:
+# the kernels read no floating-point exception flags, and without it GCC would not turn the
+# int8 kernel's comparisons into vector selects (values unchanged either way).
+cxx_flags = ["-O3", "-fno-math-errno", "-fno-trapping-math", "-ffp-contract=off", "-fopenmp"]
 
 
 def torch_libstdcxx():
@@ -73,6 +75,7 @@ sources = [
     "csrc/step_lists.cpp",  # the StepLists custom class
     "csrc/cpu_kernel.cpp",  # the fused CPU kernel
     "csrc/cpu_state_kernel.cpp",  # the same with state in a dtype of its own
+    "csrc/cpu_int8_kernel.cpp",  # the same with int8 state
     "csrc/emulated_cuda.cpp",  # the CUDA kernels' code on the host
 ]
 # Headers: rebuild when they change (MANIFEST.in puts them in the sdist).

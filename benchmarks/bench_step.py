@@ -27,7 +27,7 @@ import time
 import torch
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
-from pnm_kernels import PNM, AdaPNM, available_backends  # noqa: E402
+from pnm_kernels import PNM, AdaPNM, available_backends, quantization  # noqa: E402
 from pnm_kernels._ops import cuda_chunk_size  # noqa: E402
 from pnm_kernels.backends import TRITON_DTYPES  # noqa: E402
 from bench_common import (BYTES_PER_ELEMENT, SETS, STATE_COPIES, CopyProbe,  # noqa: E402
@@ -51,7 +51,7 @@ PEERS = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused
          "SGD-momentum": "torch.SGD-momentum[fused]", "Adam-amsgrad": "torch.Adam-amsgrad[fused]"}
 
 
-STATE_NAMES = {"bfloat16": "bf16 state", "float32": "fp32 state"}
+STATE_NAMES = {"bfloat16": "bf16 state", "float32": "fp32 state", "int8": "int8 state"}
 
 
 def state_label(state_dtype):
@@ -63,12 +63,16 @@ def bytes_per_element(label, family, dtype):
     """The bytes a step moves per parameter element: parameter (read, written), gradient
     (read) and the state buffers' reads and writes (PNM: this step's buffer read and
     written, the other read; AdaPNM-AMSGrad: that and both second moments read and written),
-    in the parameter's dtype or, for our contenders with their own state dtype, in that."""
+    in the parameter's dtype or, for our contenders with their own state dtype, in that (an
+    int8 code with its share of its block's float32 scale)."""
     size = torch.tensor([], dtype=dtype).element_size()
     for state_dtype, name in STATE_NAMES.items():
         if name in label:
             state_accesses = {"PNM": 3, "AdaPNM": 7}[family]
-            return 3 * size + state_accesses * getattr(torch, state_dtype).itemsize
+            state_size = getattr(torch, state_dtype).itemsize
+            if state_dtype == "int8":
+                state_size += 4 / quantization.BLOCK
+            return 3 * size + state_accesses * state_size
     return BYTES_PER_ELEMENT[family] * size / 4
 
 
@@ -352,6 +356,8 @@ KINDS = [("fused", "tab:red", "o", "pnm_kernels fused"),
          ("fused,fp32 state", "darkred", "*", "pnm_kernels fused, float32 state"),
          ("foreach,bf16 state", "peru", "s", "pnm_kernels foreach, bfloat16 state"),
          ("foreach,fp32 state", "peru", "s", "pnm_kernels foreach, float32 state"),
+         ("fused,int8 state", "darkred", "v", "pnm_kernels fused, int8 state"),
+         ("foreach,int8 state", "peru", "v", "pnm_kernels foreach, int8 state"),
          ("triton", "tab:purple", "D", "pnm_kernels Triton"),
          ("foreach", "tab:orange", "s", "pnm_kernels foreach"),
          ("reference", "tab:brown", "v", "pnm_kernels reference (per parameter)"),

@@ -28,4 +28,7 @@ void cpu_fused_step(const StepCall& call);
 // written with stochastic rounding, or float32 buffers of 16-bit parameters.
 void cpu_state_step(const StepCall& call);
 
+// The same with int8 state (cpu_int8_kernel.cpp): block-wise codes and scales.
+void cpu_int8_step(const StepCall& call);
+
 }  // namespace pnm

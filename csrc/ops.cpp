@@ -30,6 +30,10 @@ struct CpuState {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { cpu_state_step(call); }
 };
+struct CpuInt8 {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  static void run(const StepCall& call) { cpu_int8_step(call); }
+};
 struct EmulatedCudaState {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { emulated_cuda_state_step(call); }
@@ -134,6 +138,22 @@ std::vector<std::string> cpu_isas() {
        "bool decoupled, bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "     \
        "Tensor? found_inf=None, bool bf16_stochastic_round=False) -> ()"
 
+// int8 state (docs/design.md §8): each buffer's block scales too, buffer after buffer.
+#define PNM_INT8_STEP_SCHEMA(name)                                                            \
+  name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] pos_momentums, "                   \
+       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, Tensor[] seeds, int[] offsets, "      \
+       "Tensor(e!)[] scales, *, float lr, float beta1, float beta0, float weight_decay, "     \
+       "bool decoupled, bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "     \
+       "Tensor? found_inf=None, bool bf16_stochastic_round=False) -> ()"
+#define ADAPNM_INT8_STEP_SCHEMA(name)                                                         \
+  name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
+       "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
+       "Tensor(f!)[] steps, Tensor[] seeds, int[] offsets, Tensor(g!)[] scales, *, "          \
+       "float lr, float beta1, float beta2, float beta0, float eps, float weight_decay, "     \
+       "bool amsgrad, bool decoupled, bool maximize, Tensor? lr_tensor=None, "                \
+       "Tensor? grad_scale=None, Tensor? found_inf=None, bool bf16_stochastic_round=False) "  \
+       "-> ()"
+
 TORCH_LIBRARY(pnm_kernels, m) {
   m.def(PNM_STEP_SCHEMA("pnm_step_"));
   m.def(ADAPNM_STEP_SCHEMA("adapnm_step_"));
@@ -144,6 +164,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def(ADAPNM_STATE_STEP_SCHEMA("adapnm_state_step_"));
   m.def(PNM_STATE_STEP_SCHEMA("emulated_cuda_pnm_state_step_"));
   m.def(ADAPNM_STATE_STEP_SCHEMA("emulated_cuda_adapnm_state_step_"));
+  m.def(PNM_INT8_STEP_SCHEMA("pnm_int8_step_"));
+  m.def(ADAPNM_INT8_STEP_SCHEMA("adapnm_int8_step_"));
   m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks, "
         "int max_single_launch_blocks=0) -> ()",
         &pnm::set_launch_limits);
@@ -180,6 +202,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
   m.impl("adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::CpuState>);
   m.impl("emulated_cuda_pnm_state_step_", &pnm::pnm_state_step_op<pnm::EmulatedCudaState>);
   m.impl("emulated_cuda_adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::EmulatedCudaState>);
+  m.impl("pnm_int8_step_", &pnm::pnm_int8_step_op<pnm::CpuInt8>);
+  m.impl("adapnm_int8_step_", &pnm::adapnm_int8_step_op<pnm::CpuInt8>);
 }
 
 // Importing pnm_kernels._C runs the registrations above.
@@ -192,7 +216,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
   for (const char* name : {"pnm_step_", "adapnm_step_", "emulated_cuda_pnm_step_",
                            "emulated_cuda_adapnm_step_", "pnm_state_step_",
                            "adapnm_state_step_", "emulated_cuda_pnm_state_step_",
-                           "emulated_cuda_adapnm_state_step_"}) {
+                           "emulated_cuda_adapnm_state_step_", "pnm_int8_step_",
+                           "adapnm_int8_step_"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }

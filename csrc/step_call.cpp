@@ -31,6 +31,47 @@ void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
               "pnm_kernels: ", name, " is on ", t->device(), " but params are on ", device);
 }
 
+// The int8 ops' buffers and scales (docs/design.md §8): codes shaped like contiguous
+// parameters whose dim-0 rows hold at least one block, each buffer's float32 scales
+// (rows, blocks per row), seeds and offsets for every parameter.
+void check_int8_call(const StepCall& call, const char* const* names) {
+  const size_t n = call.lists[0].size();
+  const size_t buffers = static_cast<size_t>(call.num_lists - 2);
+  TORCH_CHECK(call.scales.size() == n * buffers, "pnm_kernels: ", call.scales.size(),
+              " scales for ", n, " params with ", buffers, " buffers each (", n * buffers,
+              " wanted, buffer after buffer)");
+  TORCH_CHECK(call.seeds.size() == n && call.offsets.size() == n, "pnm_kernels: ",
+              call.seeds.size(), " seeds and ", call.offsets.size(), " offsets for ", n,
+              " params with int8 state (", n, " of each wanted)");
+  for (size_t i = 0; i < n; ++i) {
+    const at::Tensor& p = call.lists[0][i];
+    TORCH_CHECK(p.dim() >= 2 && p.size(0) > 0 && p.is_contiguous() &&
+                    p.numel() / p.size(0) >= kInt8Block,
+                "pnm_kernels: params[", i, "] (shape ", p.sizes(),
+                ") cannot keep int8 state: it needs a contiguous tensor of at least two "
+                "dimensions whose rows hold ", kInt8Block, " elements or more");
+    const int64_t rows = p.size(0), length = p.numel() / rows;
+    const int64_t blocks = (length + kInt8Block - 1) / kInt8Block;
+    for (size_t l = 2; l < static_cast<size_t>(call.num_lists); ++l) {
+      const at::Tensor& codes = call.lists[l][i];
+      const at::ScalarType want = l < 4 ? at::kChar : at::kByte;
+      TORCH_CHECK(codes.defined() && codes.scalar_type() == want, "pnm_kernels: ", names[l],
+                  "[", i, "] must hold ", want, " codes");
+      TORCH_CHECK(codes.sizes() == p.sizes() && codes.is_contiguous() &&
+                      codes.device() == p.device(),
+                  "pnm_kernels: ", names[l], "[", i, "] must be contiguous, of shape ",
+                  p.sizes(), ", on ", p.device());
+      const at::Tensor& scale = call.scales[(l - 2) * n + i];
+      TORCH_CHECK(scale.defined() && scale.scalar_type() == at::kFloat &&
+                      scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == blocks &&
+                      scale.is_contiguous() && scale.device() == p.device(),
+                  "pnm_kernels: scales[", (l - 2) * n + i, "] (", names[l], "[", i,
+                  "]'s) must be a contiguous float32 tensor of shape [", rows, ", ", blocks,
+                  "] on ", p.device());
+    }
+  }
+}
+
 void check_call(const StepCall& call, const char* const* names, c10::DeviceType device_type) {
   const size_t n = call.lists[0].size();
   for (int l = 1; l < call.num_lists; ++l) {
@@ -62,7 +103,10 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
   // rounding, or float32 beside 16-bit parameters.
   const at::ScalarType state_dtype =
       call.own_state_dtype ? call.lists[2][0].scalar_type() : dtype;
-  if (call.own_state_dtype) {
+  if (call.int8_state) {
+    TORCH_CHECK(dtype != at::kDouble, "pnm_kernels: float64 parameters keep float64 state");
+    check_int8_call(call, names);
+  } else if (call.own_state_dtype) {
     TORCH_CHECK(dtype != at::kDouble, "pnm_kernels: float64 parameters keep float64 state");
     const bool param_stochastic = call.bf16_stochastic_round && dtype == at::kBFloat16;
     TORCH_CHECK(state_dtype == at::kBFloat16 || (state_dtype == at::kFloat && dtype != at::kFloat),
@@ -92,6 +136,7 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                   "] is sparse; PNM/AdaPNM do not support sparse tensors");
       TORCH_CHECK(t.device() == device, "pnm_kernels: ", names[l], "[", i, "] is on ",
                   t.device(), " but params[0] is on ", device);
+      if (l >= 2 && call.int8_state) continue;  // codes: check_int8_call
       const at::ScalarType want = (l >= 2 && call.own_state_dtype) ? state_dtype : dtype;
       TORCH_CHECK(t.scalar_type() == want, "pnm_kernels: ", names[l], "[", i, "] has dtype ",
                   t.scalar_type(), " but ", l >= 2 && call.own_state_dtype ? names[2] : "params",
@@ -156,9 +201,11 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type,
                        at::TensorList seeds, at::IntArrayRef offsets, bool own_state_dtype,
-                       bool bf16_stochastic_round) {
+                       bool bf16_stochastic_round, at::TensorList scales) {
   StepCall call = common_call(params, grads, pos_momentums, neg_momentums, steps, lr,
                               lr_tensor, grad_scale, found_inf, blocks_done, decoupled);
+  call.int8_state = !scales.empty();
+  call.scales = scales;
   call.num_lists = 4;
   call.own_state_dtype = own_state_dtype;
   call.bf16_stochastic_round = bf16_stochastic_round;
@@ -180,9 +227,11 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type, at::TensorList seeds,
                           at::IntArrayRef offsets, bool own_state_dtype,
-                          bool bf16_stochastic_round) {
+                          bool bf16_stochastic_round, at::TensorList scales) {
   StepCall call = common_call(params, grads, exp_avgs, neg_exp_avgs, steps, lr, lr_tensor,
                               grad_scale, found_inf, blocks_done, decoupled);
+  call.int8_state = !scales.empty();
+  call.scales = scales;
   call.own_state_dtype = own_state_dtype;
   call.bf16_stochastic_round = bf16_stochastic_round;
   call.seeds = seeds;

@@ -34,6 +34,11 @@ struct StepCall {
   bool bf16_stochastic_round = false;  // bfloat16 parameters written stochastically too
   at::TensorList seeds;
   at::IntArrayRef offsets;
+  // int8 state (the *_int8_ ops, docs/design.md §8): the buffers hold codes (int8 momenta,
+  // uint8 second moments) and `scales` each buffer's block scales, buffer after buffer
+  // (scales[(l - 2) * size() + i] for list l of tensor i).
+  bool int8_state = false;
+  at::TensorList scales;
 
   int64_t size() const { return static_cast<int64_t>(lists[0].size()); }
 };
@@ -47,7 +52,8 @@ StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorLi
                        const std::optional<at::Tensor>& found_inf,
                        const std::optional<at::Tensor>& blocks_done, c10::DeviceType device_type,
                        at::TensorList seeds = {}, at::IntArrayRef offsets = {},
-                       bool own_state_dtype = false, bool bf16_stochastic_round = false);
+                       bool own_state_dtype = false, bool bf16_stochastic_round = false,
+                       at::TensorList scales = {});
 
 StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                           at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
@@ -60,7 +66,11 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           const std::optional<at::Tensor>& blocks_done,
                           c10::DeviceType device_type, at::TensorList seeds = {},
                           at::IntArrayRef offsets = {}, bool own_state_dtype = false,
-                          bool bf16_stochastic_round = false);
+                          bool bf16_stochastic_round = false, at::TensorList scales = {});
+
+// int8 state's blocks (pnm_kernels/quantization.py's BLOCK): a row of dim 0 is cut into blocks
+// of this many elements, each with one float32 scale.
+constexpr int64_t kInt8Block = 128;
 
 // Same memory layout: equal strides on every dimension that has more than one element.
 inline bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
@@ -232,6 +242,45 @@ void adapnm_state_step_op(at::TensorList params, at::TensorList grads, at::Tenso
       found_inf, std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true,
       bf16_stochastic_round);
   bump_versions(call);
+  Impl::run(call);
+}
+
+// The ops with int8 state (CPU only): the state ops' arguments and each buffer's scales.
+template <class Impl>
+void pnm_int8_step_op(at::TensorList params, at::TensorList grads,
+                      at::TensorList pos_momentums, at::TensorList neg_momentums,
+                      at::TensorList steps, at::TensorList seeds, at::IntArrayRef offsets,
+                      at::TensorList scales, double lr, double beta1, double beta0,
+                      double weight_decay, bool decoupled, bool maximize,
+                      const std::optional<at::Tensor>& lr_tensor,
+                      const std::optional<at::Tensor>& grad_scale,
+                      const std::optional<at::Tensor>& found_inf, bool bf16_stochastic_round) {
+  const StepCall call = make_pnm_call(
+      params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0, weight_decay,
+      decoupled, maximize, lr_tensor, grad_scale, found_inf, std::nullopt, Impl::kDevice, seeds,
+      offsets, /*own_state_dtype=*/true, bf16_stochastic_round, scales);
+  bump_versions(call);
+  bump_versions_of(scales);
+  Impl::run(call);
+}
+
+template <class Impl>
+void adapnm_int8_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
+                         at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
+                         at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                         at::TensorList seeds, at::IntArrayRef offsets, at::TensorList scales,
+                         double lr, double beta1, double beta2, double beta0, double eps,
+                         double weight_decay, bool amsgrad, bool decoupled, bool maximize,
+                         const std::optional<at::Tensor>& lr_tensor,
+                         const std::optional<at::Tensor>& grad_scale,
+                         const std::optional<at::Tensor>& found_inf, bool bf16_stochastic_round) {
+  const StepCall call = make_adapnm_call(
+      params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs, steps, lr, beta1,
+      beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
+      found_inf, std::nullopt, Impl::kDevice, seeds, offsets, /*own_state_dtype=*/true,
+      bf16_stochastic_round, scales);
+  bump_versions(call);
+  bump_versions_of(scales);
   Impl::run(call);
 }
 

@@ -127,12 +127,14 @@ def _kernel_tensors(p, grad, bufs, flat, copies=None):
     param, grad, bufs = kernel_views(p, grad, bufs)
     copy_param, copy_grad = copies or dense_copies(param, grad, bufs[0], flat)
     writeback = None
+    # In the buffers' layout, in the tensor's own dtype (the buffers may hold another: bfloat16
+    # or int8 state).
     if copy_param:
-        dense = torch.empty_like(bufs[0]).copy_(param)
+        dense = torch.empty_like(bufs[0], dtype=param.dtype).copy_(param)
         writeback = (param, dense)
         param = dense
     if copy_grad:
-        grad = torch.empty_like(bufs[0]).copy_(grad)
+        grad = torch.empty_like(bufs[0], dtype=grad.dtype).copy_(grad)
     return param, grad, bufs, writeback
 
 

@@ -17,8 +17,9 @@ cmax 255). The power spends the codes where the values are: near zero. Chosen by
 (docs/performance.md, "int8 state"): POWER 2 for momenta, 4 for second moments, BLOCK 128.
 
 Rounding. A value x in [lo, hi], between two neighbouring codes' values, is stored as hi with
-probability (x - lo) / (hi - lo), decided by 16 random bits (those rounding.py gives the
-buffer's bfloat16): unbiased. A block whose largest magnitude is 0 stores zeros; one holding
+probability (x - lo) / (hi - lo) (to within 2^-16), decided by 16 random bits (those
+rounding.py gives the buffer's bfloat16): unbiased. A step writes the buffers it changes;
+the momentum it only reads keeps its codes. A block whose largest magnitude is 0 stores zeros; one holding
 a non-finite value stores scale NaN (the whole block reads NaN: GradScaler's skipped steps
 never write one).
 """
@@ -95,7 +96,7 @@ def _per_element(scales: torch.Tensor, length: int) -> torch.Tensor:
 
 def _magnitude(code: torch.Tensor, cmax: int, power: int) -> torch.Tensor:
     """(code / cmax)^power (power 1, 2 or 4) in float32, multiplied out as kernels do it."""
-    t = code.float() / cmax
+    t = code.float() * (1.0 / cmax)  # a product, as vector units do it cheaply
     if power >= 2:
         t = t * t
     return t * t if power == 4 else t
@@ -125,8 +126,8 @@ def quantize(x: torch.Tensor, bits, signed: bool):
     if not signed:  # a negative second moment: NaN too
         finite &= _blocks(rows, length).amin(dim=-1) >= 0
     block_scales = torch.where(finite, block_scales, torch.full_like(block_scales, float("nan")))
-    scale = _per_element(block_scales, length)
-    a = magnitude / scale  # in [0, 1]; NaN where the block is all zeros or not finite
+    inverse = _per_element(1.0 / block_scales, length)  # one division a block
+    a = magnitude * inverse  # in [0, 1]; NaN where the block is all zeros or not finite
     root = torch.sqrt(a) if power >= 2 else a
     if power == 4:
         root = torch.sqrt(root)

@@ -59,8 +59,11 @@ def _in_float32(step, param, grad, state, names, offset, bf16_stochastic_round, 
     param32 = param.float()  # param itself where it is float32
     step(param32, grad.float(), work, **hyper)
     t = int(state["step"].item())  # advanced through work, which holds the same counter
+    unchanged = names[1] if t % 2 == 1 else names[0]  # the momentum this step only read
     for name in names:
         if quantization.scale_name(name) in state:  # int8 codes (quantization.py)
+            if name == unchanged:  # keeps its codes (bfloat16 rounds to itself anyway)
+                continue
             codes = state[name]
             bits = random_bits(int(state["seed"].item()), t, HASH_SHIFT[name],
                                element_index(codes, offset))

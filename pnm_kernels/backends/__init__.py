@@ -36,14 +36,23 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
     as measured (see above). `compressed`: the step runs in float32 with its own rounding
     (state_dtype, bf16_stochastic_round), which every backend but Triton does ("auto": fused,
-    else foreach). `int8`: int8 state, which only the reference and foreach steps keep yet
-    ("auto": foreach). Raises RuntimeError/ValueError saying why a requested backend cannot
-    run."""
+    else foreach). `int8`: int8 state, which the fused CPU kernel keeps, and on other
+    devices the foreach step ("auto": fused on the CPU, else foreach). Raises
+    RuntimeError/ValueError saying why a requested backend cannot run."""
     if int8 and requested in ("auto", "fused", "triton"):
-        if requested != "auto":
-            raise RuntimeError(f"backend={requested!r} does not keep int8 state "
+        fused_reason = fused_unavailable_reason(device, dtype, True)
+        if fused_reason is None and device.type != "cpu":
+            fused_reason = "the fused kernels keep int8 state on the CPU only (yet)"
+        if requested == "auto":
+            return "fused" if fused_reason is None else resolve_backend("foreach", device, dtype)
+        if requested == "triton":
+            raise RuntimeError("backend='triton' does not keep int8 state "
                                "(state_dtype=torch.int8) yet: use backend='auto' or 'foreach'")
-        requested = "foreach"
+        if fused_reason is not None:
+            raise RuntimeError(f"backend='fused' cannot keep int8 state (state_dtype=torch.int8) "
+                               f"for {dtype} tensors on {device}: {fused_reason}; use "
+                               "backend='auto' or 'foreach'")
+        return "fused"
     if compressed and requested in ("auto", "triton"):
         if requested == "triton":
             raise RuntimeError("backend='triton' does not keep the state in a dtype other than "

@@ -109,6 +109,11 @@ def _step_in_float32(backend, batch: Batch, hyper: Hyper, scaling: Scaling) -> N
             if scales[slot][i] is not None:  # int8 codes (quantization.py)
                 bits = bits_from_hash(hashes, HASH_SHIFT[names[slot]])
                 codes, block_scales = quantize(value, bits, SIGNED[names[slot]])
+                if slot < 2:  # the momentum this step only read keeps its codes
+                    odd = torch.remainder(batch.steps[i], 2) == 1  # on the device: traceable
+                    written = odd if slot == 0 else ~odd
+                    codes = torch.where(written, codes, buffer)
+                    block_scales = torch.where(written, block_scales, scales[slot][i])
                 buffer.copy_(codes)
                 scales[slot][i].copy_(block_scales)
             elif buffer.dtype == torch.bfloat16:

@@ -49,6 +49,9 @@ class FusedBackend:
 
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         device = batch.params[0].device
+        if batch.scales:
+            _int8_step(batch, hyper, scaling)
+            return
         if hyper.in_float32(batch.params[0].dtype):
             _state_step(batch, hyper, scaling)
             return
@@ -88,6 +91,45 @@ class FusedBackend:
         def launch(scaling: Scaling) -> bool:
             return step(use_taken, *_held_step_args(hyper, device, scaling))
         return launch
+
+
+def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+    """int8 state (csrc/cpu_int8_kernel.cpp): the parameters with codes in one call, those
+    whose rows are too short for a block (bfloat16 state) in the state kernel's."""
+    coded = [i for i, scales in enumerate(batch.scales[0]) if scales is not None]
+    rest = [i for i, scales in enumerate(batch.scales[0]) if scales is None]
+    if rest:
+        _state_step(_pick(batch, rest), hyper, scaling)
+    if not coded:
+        return
+    part = _pick(batch, coded)
+    lr, lr_tensor = split_lr(hyper.lr, part.params[0].device, keep_float64=True)
+    common = dict(lr=lr, beta1=hyper.beta1, beta0=hyper.beta0, weight_decay=hyper.weight_decay,
+                  decoupled=hyper.decoupled, maximize=hyper.maximize, lr_tensor=lr_tensor,
+                  grad_scale=scaling.grad_scale, found_inf=scaling.found_inf,
+                  bf16_stochastic_round=hyper.bf16_stochastic_round)
+    scales = [s for slot in part.scales[:hyper.num_buffers] for s in slot]  # buffer after buffer
+    ops = torch.ops.pnm_kernels
+    if hyper.adaptive:
+        max_exp_avg_sq = part.buffers[3] if hyper.amsgrad else []
+        ops.adapnm_int8_step_(part.params, part.grads, part.buffers[0], part.buffers[1],
+                              part.buffers[2], max_exp_avg_sq, part.steps, part.seeds,
+                              part.offsets, scales, beta2=hyper.beta2, eps=hyper.eps,
+                              amsgrad=hyper.amsgrad, **common)
+    else:
+        ops.pnm_int8_step_(part.params, part.grads, part.buffers[0], part.buffers[1],
+                           part.steps, part.seeds, part.offsets, scales, **common)
+
+
+def _pick(batch: Batch, indices: list) -> Batch:
+    """The batch of these parameters (all of them: the batch itself)."""
+    if len(indices) == len(batch.params):
+        return batch
+    take = lambda items: [items[i] for i in indices]  # noqa: E731
+    return Batch(params=take(batch.params), grads=take(batch.grads),
+                 buffers=[take(b) for b in batch.buffers], steps=take(batch.steps),
+                 seeds=take(batch.seeds), offsets=take(batch.offsets),
+                 scales=[take(s) for s in batch.scales])
 
 
 def _state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
