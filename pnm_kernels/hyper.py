@@ -189,7 +189,8 @@ def check_state_dtype(state_dtype, param: torch.Tensor) -> None:
     if state_dtype == torch.int8 and not (type(param) in (torch.Tensor, torch.nn.Parameter)
                                           or _rows_whole(param)):
         raise ValueError("state_dtype=torch.int8 needs a DTensor sharded along dim 0 only "
-                         f"(FSDP2's Shard(0)) or replicated, got placements {param.placements}")
+                         "(FSDP2's Shard(0)) or replicated, got placements "
+                         f"{getattr(param, 'placements', None)}")
 
 
 def _rows_whole(param) -> bool:

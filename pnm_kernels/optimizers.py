@@ -11,6 +11,7 @@ from . import traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
 from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
+from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
 from .state import OptimizerState, as_step, plain_state_entries, put, tracked
@@ -38,6 +39,7 @@ class _PositiveNegativeMomentum(Optimizer):
         the last step as held in C++. Not part of the optimizer's pickled state."""
         self._planner = Planner(self._adaptive, self._keys)
         self._batches = BatchCache()
+        self._in_backward = None  # the StepInBackward handle while the step runs in backward
         self._repeat = RepeatedStep()
 
     def __setstate__(self, state):
@@ -100,11 +102,13 @@ class _PositiveNegativeMomentum(Optimizer):
     def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
+        scaling = Scaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        if self._in_backward is not None:  # refuses what a step in backward cannot apply
+            self._in_backward.before_step(closure, scaling)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        scaling = Scaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
         if torch.compiler.is_compiling():
             traced.step(self, scaling)
             return loss
@@ -125,6 +129,33 @@ class _PositiveNegativeMomentum(Optimizer):
             plan = planner.plan(self, cache, names, defer=False)
         self._run(plan, scaling)
         return loss
+
+    def step_in_backward(self, bucket_mib: float = 25.0) -> StepInBackward:
+        """Steps each parameter inside backward as soon as its gradient is accumulated, then
+        frees the gradient (docs/design.md §9): a model never holds all its gradients. Ready
+        parameters are stepped together, about `bucket_mib` MiB of gradients at a time, by
+        the ordinary fused step; the result is the ordinary step's.
+
+        The first step after this call is an ordinary one, which refuses what cannot be
+        applied to gradients that are gone: GradScaler, gradients changed between backward
+        and step (clipping), several backward passes a step (accumulate inside
+        ``handle.accumulating()`` instead). Afterwards ``optimizer.step()`` and
+        ``zero_grad()`` in the training loop are harmless (nothing is left to step).
+        Refused for DTensor (FSDP2) parameters and under several torch.distributed ranks
+        (DDP's all-reduce would come after the step).
+
+        Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
+        restores the ordinary step.
+        """
+        return StepInBackward(self, bucket_mib)
+
+    @torch.no_grad()
+    def _step_only(self, params) -> None:
+        """An ordinary step of these parameters alone (a bucket of the step in backward)."""
+        names, planner, cache = self._buffer_names, self._planner, self._batches
+        self._repeat.forget()  # the repeated step stands for a whole step, not a bucket
+        plan = planner.plan(self, cache, names, defer=False, only={id(p) for p in params})
+        planning.run(self, plan, planner, cache, names, Scaling())
 
     def _run(self, plan, scaling: Scaling) -> None:
         names, planner, cache = self._buffer_names, self._planner, self._batches

@@ -77,8 +77,10 @@ class Planner:
         self._hypers[id(group)] = (now, hyper)
         return hyper
 
-    def plan(self, optimizer, cache: BatchCache, names: tuple, defer=True) -> list[PlanItem]:
+    def plan(self, optimizer, cache: BatchCache, names: tuple, defer=True,
+             only: Optional[set] = None) -> list[PlanItem]:
         """Checks everything and decides the backend of every batch, touching nothing.
+        `only`: the ids of the parameters to step (the others as if without gradients).
 
         The gradients are still checked every step (in C++ where the extension is built).
         One check is deferred: when the whole step is one cached batch for the fused
@@ -90,6 +92,8 @@ class Planner:
             self.hyper(group, gi)
             params = group["params"]
             grads = [p.grad for p in params]
+            if only is not None:  # these parameters alone (by id): the others have no say
+                grads = [g if id(p) in only else None for p, g in zip(params, grads)]
             if all(map(operator.is_not, grads, itertools.repeat(None))):  # the common case
                 indices: Sequence[int] = range(len(params))
                 ids = tuple(map(id, params))

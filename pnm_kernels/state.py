@@ -256,7 +256,7 @@ def _decoded(entry: dict, name: str, p) -> torch.Tensor:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t if is_plain(t) else t.to_local()
+    return t if is_plain(t) else t.to_local()  # type: ignore[attr-defined]
 
 
 def _like(p, local_values: torch.Tensor) -> torch.Tensor:
@@ -322,7 +322,7 @@ def _like_scales(p, local_scales: torch.Tensor) -> torch.Tensor:
     if is_plain(p):
         return local_scales
     from torch.distributed.tensor import DTensor
-    shape = quantization.scales_shape(p.shape)
+    shape = torch.Size(quantization.scales_shape(p.shape))
     return DTensor.from_local(local_scales, p.device_mesh, p.placements, shape=shape,
                               stride=(shape[1], 1))
 

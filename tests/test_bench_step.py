@@ -228,13 +228,20 @@ def test_gpt_fsdp2_example_runs_on_cpu(monkeypatch):
                               "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
                               "--no-compile"])
     assert set(results) == {"AdamW[fused]", "AdaPNM"}
-    for tokens_per_s, loss in results.values():
-        assert tokens_per_s > 0 and loss == loss
+    for tokens_per_s, loss, memory in results.values():
+        assert tokens_per_s > 0 and loss == loss and memory is None  # memory: CUDA only
     monkeypatch.setenv("MASTER_PORT", str(29600 + (os.getpid() + 1) % 1000))
     with_state = gpt_fsdp2.main(["--steps", "2", "--warmup", "1", "--layers", "1", "--dim", "32",
                                  "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
                                  "--no-compile", "--state-dtype", "bfloat16"])
     assert with_state["AdaPNM"][1] == with_state["AdaPNM"][1]  # a finite loss
+    monkeypatch.setenv("MASTER_PORT", str(29600 + (os.getpid() + 2) % 1000))
+    in_backward = gpt_fsdp2.main(["--steps", "2", "--warmup", "1", "--layers", "1", "--dim", "32",
+                                  "--heads", "2", "--seq", "16", "--batch", "2", "--vocab", "64",
+                                  "--no-compile", "--state-dtype", "int8", "--param-dtype",
+                                  "bfloat16", "--step-in-backward", "--optimizers", "PNM,AdaPNM"])
+    assert set(in_backward) == {"PNM", "AdaPNM"}
+    assert all(loss == loss for _, loss, _ in in_backward.values())
 
 
 def test_triton_tuning_script_times_every_candidate_and_feeds_its_best_to_the_benchmark(

@@ -33,14 +33,14 @@ needs_one_rank_fsdp2 = pytest.mark.skipif(ONE_RANK_DEVICE == "cpu" and not CPU_F
 
 def _data():
     gen = torch.Generator().manual_seed(1)
-    return torch.randn(STEPS, 8, 16, generator=gen), torch.randn(STEPS, 8, 4, generator=gen)
+    return torch.randn(STEPS, 8, 128, generator=gen), torch.randn(STEPS, 8, 4, generator=gen)
 
 
 def _model():
     """31 hidden units: FSDP2 shards them unevenly over two ranks (16 and 15 rows, the
-    second shard padded)."""
+    second shard padded). 128 inputs: the first weight's rows are one int8 block each."""
     torch.manual_seed(0)
-    return torch.nn.Sequential(torch.nn.Linear(16, 31), torch.nn.Tanh(), torch.nn.Linear(31, 4))
+    return torch.nn.Sequential(torch.nn.Linear(128, 31), torch.nn.Tanh(), torch.nn.Linear(31, 4))
 
 
 def _make_opt(name, params, device="cpu", zero=False, state_dtype=None):
@@ -67,8 +67,9 @@ def _train(model, opt, xs, ys, steps, rank=None):
 
 
 def _state_dtype(mode):
-    """Modes ending in -bf16-state keep bfloat16 state (docs/design.md §7)."""
-    return torch.bfloat16 if mode.endswith("-bf16-state") else None
+    """Modes ending in -bf16-state keep bfloat16 state (docs/design.md §7), -int8-state int8
+    state (§8)."""
+    return {"-bf16-state": torch.bfloat16, "-int8-state": torch.int8}.get(mode[-11:])
 
 
 def _single_process(name, state_dtype=None):
@@ -115,7 +116,7 @@ def _worker(rank, mode, name, workdir, port):
             _shard(model, offload=mode == "fsdp-offload", device_type=device.type)
             opt = _make_opt(name, model.parameters(), device, state_dtype=_state_dtype(mode))
             if _state_dtype(mode) is not None:  # rank 1's rows 16..30 take the random bits
-                assert element_offset(model[0].weight) == rank * 16 * 16  # of the whole's
+                assert element_offset(model[0].weight) == rank * 16 * 128  # of the whole's
             half = STEPS // 2
             _train(model, opt, xs, ys, range(half), rank)
             shard = next(model.parameters())
@@ -194,7 +195,8 @@ def _checkpoint_round_trip(model, opt, name, workdir, state_dtype=None):
 
 @pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "ddp-zero-resumed"] + [
     pytest.param(m, marks=needs_cpu_fsdp2) for m in (
-        "fsdp", "fsdp-dcp", "fsdp-offload", "fsdp-bf16-state", "fsdp-dcp-bf16-state")] + [
+        "fsdp", "fsdp-dcp", "fsdp-offload", "fsdp-bf16-state", "fsdp-dcp-bf16-state",
+        "fsdp-int8-state", "fsdp-dcp-int8-state")] + [
     "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
@@ -232,7 +234,7 @@ def _one_rank_ddp_training(name, backend, as_bucket_views):
     opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
     gen = torch.Generator().manual_seed(1)
     for t in range(6):
-        x, y = torch.randn(8, 16, generator=gen), torch.randn(8, 4, generator=gen)
+        x, y = torch.randn(8, 128, generator=gen), torch.randn(8, 4, generator=gen)
         opt.zero_grad(set_to_none=t % 3 == 0)
         torch.nn.functional.mse_loss(ddp(x.to(ONE_RANK_DEVICE)), y.to(ONE_RANK_DEVICE)).backward()
         opt.step()

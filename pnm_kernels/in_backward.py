@@ -1,0 +1,147 @@
+"""The step inside the backward pass (docs/design.md §9): each gradient is consumed as soon as
+autograd has accumulated it, and freed, so that a model never holds all its gradients at
+once. Parameters whose gradients are ready are stepped together, a bucket of about
+`bucket_mib` at a time, by the ordinary fused multi-tensor step (not one launch per
+parameter), so the result is the ordinary step's: bitwise on the fused backends.
+
+What cannot be applied to gradients that are already gone is found out before anything is
+stepped inside backward: the first step after `step_in_backward` is an ordinary one (a
+probe), and the training loop around it shows whether it scales the loss (GradScaler),
+changes the gradients between backward and step (clipping, unscaling by hand) or runs
+several backward passes a step (accumulation: `handle.accumulating()` says so). Each of those
+is refused then, before any parameter moved, naming it."""
+import contextlib
+
+import torch
+
+from .params import local
+
+
+class StepInBackward:
+    """The handle `optimizer.step_in_backward()` returns: `remove()` (or leaving its `with`
+    block) restores the ordinary step; `accumulating()` marks backward passes whose
+    gradients are to be summed, not stepped."""
+
+    def __init__(self, optimizer, bucket_mib: float) -> None:
+        if not (isinstance(bucket_mib, (int, float)) and bucket_mib > 0):
+            raise ValueError(f"step_in_backward: bucket_mib must be a positive number of MiB, "
+                             f"got {bucket_mib!r}")
+        if getattr(optimizer, "_in_backward", None) is not None:
+            raise RuntimeError("step_in_backward: this optimizer already steps inside backward "
+                               "(remove() its handle first)")
+        params = [p for group in optimizer.param_groups for p in group["params"]]
+        for gi, group in enumerate(optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if local(p) is not p:
+                    raise RuntimeError(
+                        f"step_in_backward: param_groups[{gi}]['params'][{pi}] is a DTensor "
+                        "(FSDP2): FSDP2 reduce-scatters gradients in hooks of its own and sets "
+                        "the sharded gradients after them, which no post-accumulate hook sees; "
+                        "use the ordinary step")
+        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
+                torch.distributed.get_world_size() > 1:
+            raise RuntimeError(
+                "step_in_backward: torch.distributed runs with several ranks: under DDP each "
+                "gradient would be stepped before its all-reduce; use the ordinary step")
+        self._optimizer = optimizer
+        self._bucket_bytes = bucket_mib * 2**20
+        self._probing = True  # the first step is an ordinary one (see the module's docstring)
+        self._accumulating = 0
+        self._pending: list = []
+        self._pending_bytes = 0
+        self._flush_queued = False
+        self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its version)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
+                       for p in params if p.requires_grad]
+        optimizer._in_backward = self
+
+    # -- the user's side -------------------------------------------------------------------
+
+    def remove(self) -> None:
+        """The ordinary step again (gradients kept until optimizer.step())."""
+        for hook in self._hooks:
+            hook.remove()
+        self._hooks = []
+        self._pending = []
+        if getattr(self._optimizer, "_in_backward", None) is self:
+            self._optimizer._in_backward = None
+
+    def __enter__(self) -> "StepInBackward":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    @contextlib.contextmanager
+    def accumulating(self):
+        """Backward passes inside this block sum their gradients and step nothing; the next
+        backward pass outside it steps the sums (gradient accumulation over micro-batches)."""
+        self._accumulating += 1
+        try:
+            yield self
+        finally:
+            self._accumulating -= 1
+
+    # -- autograd's side -------------------------------------------------------------------
+
+    def _ready(self, p: torch.Tensor) -> None:
+        grad = p.grad
+        if self._accumulating or grad is None:
+            return
+        if self._probing:
+            _, passes, _, _ = self._seen.get(id(p), (p, 0, None, 0))
+            self._seen[id(p)] = (p, passes + 1, grad, grad._version)
+            return
+        self._pending.append(p)
+        self._pending_bytes += grad.numel() * grad.element_size()
+        if not self._flush_queued:  # the rest once the whole backward pass is done
+            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
+            self._flush_queued = True
+        if self._pending_bytes >= self._bucket_bytes:
+            self._step_pending()
+
+    def _flush(self) -> None:
+        self._flush_queued = False
+        self._step_pending()
+
+    def _step_pending(self) -> None:
+        params, self._pending, self._pending_bytes = self._pending, [], 0
+        if params:
+            self._optimizer._step_only(params)
+        for p in params:
+            p.grad = None
+
+    # -- optimizer.step() --------------------------------------------------------------------
+
+    def before_step(self, closure, scaling) -> bool:
+        """What optimizer.step() does now: True to run the ordinary step (the probe, or
+        gradients that no hook consumed), having refused what cannot be applied."""
+        if closure is not None:
+            raise RuntimeError("step_in_backward: step(closure) would run backward again, which "
+                               "steps inside it already; call backward, then step()")
+        if scaling.grad_scale is not None or scaling.found_inf is not None:
+            raise RuntimeError(
+                "step_in_backward does not work with torch.amp.GradScaler: an inf found in one "
+                "bucket's gradients cannot undo the buckets stepped before it. Train with "
+                "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
+        if not self._probing:
+            return True  # steps only what still has a gradient (none, in the usual loop)
+        for p, passes, grad, version in self._seen.values():
+            if passes > 1:
+                raise RuntimeError(
+                    f"step_in_backward: {passes} backward passes reached a parameter of shape "
+                    f"{tuple(p.shape)} before this step: to accumulate gradients, run all "
+                    "micro-batches but the last inside `with handle.accumulating():`")
+            if p.grad is not grad or (grad is not None and grad._version != version):
+                raise RuntimeError(
+                    "step_in_backward: a gradient (of a parameter of shape "
+                    f"{tuple(p.shape)}) was changed between backward and step (gradient "
+                    "clipping, unscaling or editing by hand), which a step inside backward "
+                    "cannot do: it steps each gradient as soon as it is made. Use the "
+                    "ordinary step")
+        self._probing = False
+        self._seen = {}
+        return True
+
+
+__all__ = ["StepInBackward"]

@@ -1,0 +1,208 @@
+"""optimizer.step_in_backward() (docs/design.md §9): each gradient stepped, in buckets, as soon
+as autograd has accumulated it, then freed. It gives the ordinary step's parameters and state
+bitwise over many steps, on every fast path and with compressed state; a training loop written
+for the ordinary optimizer runs unchanged (its step() and zero_grad() harmless, schedulers and
+checkpoints as before); what cannot be applied to gradients that are gone (GradScaler,
+clipping, accumulation without saying so) is refused before any parameter moved."""
+import copy
+
+import pytest
+import torch
+
+from cases import FAST_PATHS, OPTIMIZERS, parametrize
+from pnm_kernels import PNM, AdaPNM
+
+MODES = {"plain": (torch.float32, {}),
+         # Issue 34's recipe: bf16 parameters rounded stochastically, int8 state.
+         "bf16-int8": (torch.bfloat16, dict(state_dtype=torch.int8, bf16_stochastic_round=True))}
+
+
+def _model(dtype=torch.float32):
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(16, 256), torch.nn.GELU(),
+                               torch.nn.Linear(256, 128), torch.nn.GELU(),
+                               torch.nn.Linear(128, 4)).to(dtype)
+
+
+def _batches(steps, dtype=torch.float32):
+    gen = torch.Generator().manual_seed(1)
+    return [torch.randn(32, 16, generator=gen).to(dtype) for _ in range(steps)]
+
+
+def _train(model, opt, batches, scheduler=None, clip=False):
+    """The ordinary training loop, unchanged for either kind of step."""
+    for x in batches:
+        loss = model(x).float().pow(2).mean()
+        opt.zero_grad()
+        loss.backward()
+        if clip:
+            torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+        opt.step()
+        if scheduler is not None:
+            scheduler.step()
+
+
+def _assert_same(model_a, opt_a, model_b, opt_b):
+    for p, q in zip(model_a.parameters(), model_b.parameters()):
+        assert torch.equal(p, q)
+        for key, value in opt_a.state[p].items():
+            assert torch.equal(value, opt_b.state[q][key]), key
+
+
+@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("bucket_mib", [0.05, 100.0], ids=["small-buckets", "one-bucket"])
+@parametrize(FAST_PATHS)
+def test_the_step_in_backward_is_the_ordinary_step_bitwise(name, path, bucket_mib, mode):
+    dtype, kwargs = MODES[mode]
+    if path == "triton" and kwargs:
+        pytest.skip("the Triton backend keeps no compressed state")
+    runs = []
+    for in_backward in (False, True):
+        model = _model(dtype)
+        opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=path,
+                               **kwargs)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        handle = opt.step_in_backward(bucket_mib=bucket_mib) if in_backward else None
+        _train(model, opt, _batches(8, dtype), scheduler)
+        runs.append((model, opt))
+        if handle is not None:
+            handle.remove()
+    _assert_same(*runs[0], *runs[1])
+
+
+def test_gradients_are_freed_during_backward_and_none_is_left_after_it():
+    """Buckets of one parameter: the last layer's gradients are gone before backward reaches
+    the first layer (seen from a hook on the first layer's output), and no parameter holds a
+    gradient once backward is done."""
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    _train(model, opt, _batches(1))  # the first step: the ordinary probe
+    seen = []
+    x = _batches(1)[0]
+    hidden = model[0](x)
+    hidden.register_hook(lambda g: seen.append([p.grad is None for p in model[4].parameters()]))
+    loss = model[1:](hidden).pow(2).mean()
+    loss.backward()
+    assert seen == [[True, True]]
+    assert all(p.grad is None for p in model.parameters())
+
+
+def test_accumulation_inside_accumulating_blocks_sums_micro_batches_as_the_ordinary_step():
+    runs = []
+    for in_backward in (False, True):
+        model = _model()
+        opt = AdaPNM(model.parameters(), lr=1e-2)
+        handle = opt.step_in_backward(bucket_mib=0.05) if in_backward else None
+        batches = _batches(12)
+        for step in range(4):
+            opt.zero_grad()
+            for i, x in enumerate(batches[3 * step:3 * step + 3]):
+                loss = model(x).pow(2).mean()
+                if handle is not None and i < 2:
+                    with handle.accumulating():
+                        loss.backward()
+                else:
+                    loss.backward()
+            opt.step()
+        runs.append((model, opt))
+    for p, q in zip(runs[0][0].parameters(), runs[1][0].parameters()):
+        torch.testing.assert_close(p, q)  # sums of three: added in the same order
+
+
+def _refused_in_the_probe(loop, match):
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=match):
+        loop(model, opt)
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state
+
+
+def test_accumulation_without_saying_so_is_refused_before_anything_moves():
+    def loop(model, opt):
+        for x in _batches(2):
+            model(x).pow(2).mean().backward()
+        opt.step()
+    _refused_in_the_probe(loop, r"2 backward passes .* handle.accumulating\(\)")
+
+
+def test_gradient_clipping_is_refused_before_anything_moves():
+    _refused_in_the_probe(lambda model, opt: _train(model, opt, _batches(1), clip=True),
+                          r"changed between backward and step \(gradient clipping")
+
+
+def test_grad_scaler_is_refused_before_anything_moves():
+    def loop(model, opt):
+        scaler = torch.amp.GradScaler("cpu")
+        scaler.scale(model(_batches(1)[0]).pow(2).mean()).backward()
+        scaler.step(opt)
+    _refused_in_the_probe(loop, r"GradScaler")
+
+
+def test_a_closure_is_refused():
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    with pytest.raises(RuntimeError, match="closure"):
+        opt.step(lambda: model(_batches(1)[0]).pow(2).mean())
+
+
+def test_a_checkpoint_saved_in_backward_mode_resumes_in_the_ordinary_one():
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2, state_dtype=torch.int8)
+    handle = opt.step_in_backward(bucket_mib=0.05)
+    _train(model, opt, _batches(4))
+    saved, weights = copy.deepcopy((opt.state_dict(), model.state_dict()))
+    _train(model, opt, _batches(7)[4:])
+    handle.remove()
+    resumed = _model()
+    resumed.load_state_dict(weights)
+    opt2 = AdaPNM(resumed.parameters(), lr=1e-2, state_dtype=torch.int8)
+    opt2.load_state_dict(saved)
+    _train(resumed, opt2, _batches(7)[4:])
+    _assert_same(model, opt, resumed, opt2)
+
+
+def test_remove_restores_the_ordinary_step_and_its_gradients():
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    with opt.step_in_backward():
+        _train(model, opt, _batches(2))
+    model(_batches(1)[0]).pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+
+
+@pytest.mark.parametrize("bad", [0, -1.0, "25"])
+def test_a_bad_bucket_size_is_refused(bad):
+    with pytest.raises(ValueError, match="bucket_mib"):
+        PNM(_model().parameters()).step_in_backward(bucket_mib=bad)
+
+
+def test_twice_and_under_several_ranks_is_refused(monkeypatch):
+    opt = PNM(_model().parameters())
+    opt.step_in_backward()
+    with pytest.raises(RuntimeError, match="already steps inside backward"):
+        opt.step_in_backward()
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    with pytest.raises(RuntimeError, match="DDP"):
+        PNM(_model().parameters()).step_in_backward()
+
+
+def test_a_compiled_model_steps_in_backward_as_with_the_ordinary_step():
+    """torch.compile of the model: its backward still ends in autograd's accumulation into
+    each parameter, where the hooks step; the same compiled model trained with the ordinary
+    step gives the same bits."""
+    torch._dynamo.reset()
+    runs = []
+    for in_backward in (False, True):
+        model = _model()
+        opt = AdaPNM(model.parameters(), lr=1e-2)
+        if in_backward:
+            opt.step_in_backward(bucket_mib=0.05)
+        _train(torch.compile(model), opt, _batches(4))
+        runs.append((model, opt))
+    _assert_same(*runs[0], *runs[1])
