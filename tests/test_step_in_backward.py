@@ -54,16 +54,18 @@ def _assert_same(model_a, opt_a, model_b, opt_b):
 @parametrize(FAST_PATHS)
 def test_the_step_in_backward_is_the_ordinary_step_bitwise(name, path, bucket_mib, mode):
     dtype, kwargs = MODES[mode]
-    if path == "triton" and kwargs:
-        pytest.skip("the Triton backend keeps no compressed state")
+    if path == "triton" and (kwargs or bucket_mib > 1):
+        pytest.skip("the Triton backend keeps no compressed state; its interpreter takes "
+                    "seconds a step on a CPU: small buckets only")
+    steps = 3 if path == "triton" else 8
     runs = []
     for in_backward in (False, True):
         model = _model(dtype)
         opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=path,
                                **kwargs)
-        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=3, gamma=0.5)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
         handle = opt.step_in_backward(bucket_mib=bucket_mib) if in_backward else None
-        _train(model, opt, _batches(8, dtype), scheduler)
+        _train(model, opt, _batches(steps, dtype), scheduler)
         runs.append((model, opt))
         if handle is not None:
             handle.remove()
