@@ -1,6 +1,6 @@
-// Element access of the fused CPU kernels (cpu_kernel.cpp, cpu_state_kernel.cpp): each
-// storage type loaded into and stored from its arithmetic type, written so that GCC
-// vectorises the loops that use them.
+// Element access of the fused CPU kernels (cpu_kernel.cpp, cpu_state_kernel.cpp,
+// cpu_int8_kernel.cpp): each storage type loaded into and stored from its arithmetic type,
+// written so that GCC vectorises the loops that use them.
 #pragma once
 
 #include <ATen/Parallel.h>
@@ -10,9 +10,11 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #include "cpu_half_lanes.h"
+#include "stochastic_rounding.h"
 
 namespace pnm {
 // Internal linkage, as for the rest of each kernel.
@@ -50,6 +52,20 @@ PNM_CPU_INLINE void store(c10::BFloat16* a, int64_t i, float v) {
 // 16-bit parameters; the fused kernel's fp16 path has its own lanes (cpu_half_lanes.h).
 PNM_CPU_INLINE float load(const c10::Half* a, int64_t i) { return static_cast<float>(a[i]); }
 PNM_CPU_INLINE void store(c10::Half* a, int64_t i, float v) { a[i] = static_cast<c10::Half>(v); }
+
+// For the kernels of state in a dtype of its own (cpu_state_kernel.cpp, cpu_int8_kernel.cpp).
+// A parameter element stored in its dtype: to nearest, or (a bfloat16 parameter with
+// bf16_stochastic_round) stochastically with the low 16 bits of mix32(hash).
+template <typename T>
+PNM_CPU_INLINE void store_param(T* a, int64_t i, float v, bool stochastic, uint32_t hash) {
+  if constexpr (std::is_same_v<T, c10::BFloat16>) {
+    if (stochastic) {
+      a[i].x = bf16_bits_stochastic(v, bit_cast<uint32_t>(v), mix32(hash) & 0xFFFFu);
+      return;
+    }
+  }
+  store(a, i, v);
+}
 
 constexpr int64_t kCpuChunk = 1 << 15;  // the fewest elements worth a thread of their own
 

@@ -77,9 +77,10 @@ struct CodeMap {
       low = low >= 0.0f ? low : 0.0f;  // and NaN to 0
       low = low < kMax - 1.0f ? low : kMax - 1.0f;
       const float below = magnitude(low), above = magnitude(low + 1.0f);
-      const float chance = (a - below) / (above - below);
       const float u = static_cast<float>(static_cast<int32_t>(bits[i])) * (1.0f / 65536.0f);
-      const int32_t code = static_cast<int32_t>(low + static_cast<float>(u < chance));
+      // Up with probability (a - below) / (above - below), without the division.
+      const float gap = above - below, excess = a - below;
+      const int32_t code = static_cast<int32_t>(low + (u * gap < excess ? 1.0f : 0.0f));
       codes[i] = static_cast<Code>(x[i] < 0.0f ? -code : code);
     }
     return scale;
@@ -88,19 +89,6 @@ struct CodeMap {
 
 using Signed = CodeMap<true>;
 using Unsigned = CodeMap<false>;
-
-// A parameter element stored in its dtype: to nearest, or (a bfloat16 parameter with
-// bf16_stochastic_round) stochastically with the low 16 bits of mix32(hash).
-template <typename T>
-PNM_CPU_INLINE void store_param_element(T* a, int64_t i, float v, bool stochastic, uint32_t hash) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (stochastic) {
-      a[i].x = bf16_bits_stochastic(v, bit_cast<uint32_t>(v), mix32(hash) & 0xFFFFu);
-      return;
-    }
-  }
-  store(a, i, v);
-}
 
 // One tensor of one step. codes/scales: m, m_other, v, v_max (parity applied: [0] is this
 // step's momentum buffer).
@@ -164,7 +152,7 @@ PNM_CPU_INLINE void int8_block(const Int8Work<T>& w, int64_t b, float gf) {
     p[i] = pi;
   }
   for (int i = 0; i < n; ++i) {
-    store_param_element(w.param, begin + i, p[i], w.param_stochastic, hash[i]);
+    store_param(w.param, begin + i, p[i], w.param_stochastic, hash[i]);
   }
   w.scales[0][b] = Signed::encode(m, high, n, static_cast<int8_t*>(w.codes[0]) + begin);
   if constexpr (Algo::kAdaptive) {

@@ -19,19 +19,6 @@
 namespace pnm {
 namespace {
 
-// A parameter element stored in its dtype: to nearest, or (a bfloat16 parameter with
-// bf16_stochastic_round) stochastically with the low 16 bits of mix32(hash).
-template <typename T>
-PNM_CPU_INLINE void store_param(T* a, int64_t i, float v, bool stochastic, uint32_t hash) {
-  if constexpr (std::is_same_v<T, c10::BFloat16>) {
-    if (stochastic) {
-      a[i].x = bf16_bits_stochastic(v, bit_cast<uint32_t>(v), mix32(hash) & 0xFFFFu);
-      return;
-    }
-  }
-  store(a, i, v);
-}
-
 // Each element's hash, only where something rounds with it (float32 state of parameters
 // rounded to nearest does not). A loop-invariant test: GCC unswitches the loop on it.
 template <typename S>

@@ -134,10 +134,11 @@ def quantize(x: torch.Tensor, bits, signed: bool):
     low = torch.floor(root * cmax).clamp_(0, cmax - 1)
     low = torch.where(torch.isnan(low), torch.zeros_like(low), low)
     below, above = _magnitude(low, cmax, power), _magnitude(low + 1, cmax, power)
-    chance = (a - below) / (above - below)
     if torch.is_tensor(bits):
         bits = bits.reshape(-1, length)
-    up = bits * (1.0 / 65536) < chance  # False where chance is NaN
+    # Up with probability (a - below) / (above - below), compared without the division:
+    # u (above - below) < a - below. False where a is NaN.
+    up = (bits * (1.0 / 65536)) * (above - below) < a - below
     code = (low + up.float()).to(torch.int32)
     if signed:
         code = torch.where(rows < 0, -code, code)

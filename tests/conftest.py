@@ -1,6 +1,7 @@
 """Shared helpers. Without a GPU, Triton kernels run under the interpreter on CPU tensors;
 TRITON_INTERPRET must be set before triton.jit decorates them, so it is set here."""
 import copy
+import io
 import os
 import shutil
 
@@ -122,6 +123,24 @@ def assert_states_close(opt_a, params_a, opt_b, params_b, **tol):
         assert sa.keys() == sb.keys(), f"param {i}: state keys {sa.keys()} vs {sb.keys()}"
         for key in sa:
             torch.testing.assert_close(sa[key], sb[key], msg=lambda m: f"param {i} {key}: {m}", **tol)
+
+
+def assert_same_bits(opt_a, params_a, opt_b, params_b):
+    """Parameters and every state tensor bitwise equal, dtypes included."""
+    for p, q in zip(params_a, params_b):
+        assert torch.equal(p, q)
+        assert opt_a.state[p].keys() == opt_b.state[q].keys()
+        for key, value in opt_a.state[p].items():
+            other = opt_b.state[q][key]
+            assert value.dtype == other.dtype and torch.equal(value, other), key
+
+
+def round_trip(state_dict):
+    """Through torch.save and torch.load(weights_only=True), as a checkpoint goes."""
+    buffer = io.BytesIO()
+    torch.save(state_dict, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
 
 
 def second_parameter_restarted_after_three_steps(name, path, restart):

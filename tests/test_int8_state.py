@@ -5,12 +5,11 @@ lie within dim-0 rows, so sharded parameters quantise as whole ones; the state t
 plain state_dict, converts to and from other state dtypes, and what does not fit is refused
 naming it before anything is touched. (Training as well as float32 state, and the drift
 test: tests/test_state_dtype.py, over both compressed dtypes.)"""
-import io
-
 import pytest
 import torch
 
 from cases import INT8_PATHS, OPTIMIZERS, parametrize
+from conftest import assert_same_bits, round_trip
 from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
 from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
 from pnm_kernels.state import ensure_state
@@ -37,20 +36,6 @@ def _run(optimizer, params, steps, first=0):
         optimizer.step()
 
 
-def _assert_same(opt_a, params_a, opt_b, params_b):
-    for p, q in zip(params_a, params_b):
-        assert torch.equal(p, q)
-        assert opt_a.state[p].keys() == opt_b.state[q].keys()
-        for key, value in opt_a.state[p].items():
-            other = opt_b.state[q][key]
-            assert value.dtype == other.dtype and torch.equal(value, other), key
-
-
-def _round_trip(state_dict):
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
 
 
 # -- every path steps as the reference ----------------------------------------------------
@@ -69,7 +54,7 @@ def test_int8_state_steps_as_the_reference(name, path, dtype, variant):
         _run(opt, params, STEPS)
         runs.append((opt, params))
     if path == "foreach":  # the reference's own functions: bitwise
-        _assert_same(*runs[0], *runs[1])
+        assert_same_bits(*runs[0], *runs[1])
     else:  # the kernel's float32 maths to rounding: codes alike but where one rounded the other way
         _assert_close_codes(*runs[1], *runs[0])
 
@@ -204,13 +189,13 @@ def test_a_saved_int8_state_resumes_bitwise(name, param_dtype):
     params = _params(param_dtype)
     opt = cls(params, lr=1e-2, state_dtype=torch.int8)
     _run(opt, params, 5)
-    saved, saved_params = _round_trip(opt.state_dict()), [p.detach().clone() for p in params]
+    saved, saved_params = round_trip(opt.state_dict()), [p.detach().clone() for p in params]
     _run(opt, params, 5, first=5)
     resumed = [torch.nn.Parameter(p) for p in saved_params]
     opt2 = cls(resumed, lr=1e-2, state_dtype=torch.int8)
     opt2.load_state_dict(saved)
     _run(opt2, resumed, 5, first=5)
-    _assert_same(opt, params, opt2, resumed)
+    assert_same_bits(opt, params, opt2, resumed)
 
 
 @pytest.mark.parametrize("other", [torch.float32, torch.bfloat16])
@@ -239,14 +224,14 @@ def test_a_float32_checkpoint_loads_into_int8_state_and_back(name):
     _run(opt, params, 4)
     into = [torch.nn.Parameter(p.detach().clone()) for p in params]
     compressed = cls(into, lr=1e-2, state_dtype=torch.int8)
-    compressed.load_state_dict(_round_trip(opt.state_dict()))
+    compressed.load_state_dict(round_trip(opt.state_dict()))
     _run(compressed, into, 1, first=4)
     key = "exp_avg_sq" if name == "AdaPNM" else "pos_momentum"
     assert compressed.state[into[0]][key].dtype == quantization.code_dtype(key)
     assert "seed" in compressed.state[into[0]]
     back = [torch.nn.Parameter(p.detach().clone()) for p in into]
     plain = cls(back, lr=1e-2)
-    plain.load_state_dict(_round_trip(compressed.state_dict()))
+    plain.load_state_dict(round_trip(compressed.state_dict()))
     _run(plain, back, 1, first=5)
     assert plain.state[back[0]][key].dtype == torch.float32
     assert scale_name(key) not in plain.state[back[0]]
@@ -271,7 +256,7 @@ def test_a_checkpoint_whose_codes_and_scales_do_not_fit_is_refused_naming_them(e
     params = _params(torch.float32)
     opt = AdaPNM(params, lr=1e-2, state_dtype=torch.int8)
     _run(opt, params, 2)
-    saved = _round_trip(opt.state_dict())
+    saved = round_trip(opt.state_dict())
     edit(saved["state"][0])
     fresh = [torch.nn.Parameter(p.detach().clone()) for p in params]
     opt2 = AdaPNM(fresh, lr=1e-2, state_dtype=torch.int8)

@@ -6,13 +6,12 @@ instruction set; the averages do not stall where round-to-nearest does, the stat
 in a plain state_dict and converts between state dtypes, and what cannot be done is refused
 before anything is touched."""
 import copy
-import io
 
 import pytest
 import torch
 
 from cases import OPTIMIZERS, STATE_MODES, STATE_DTYPE_PATHS, parametrize
-from conftest import assert_states_close
+from conftest import assert_same_bits, assert_states_close, round_trip
 from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
 from pnm_kernels.rounding import (element_hash, element_index, mix32, mix32_int,
                                   random_bits, round_bf16_stochastic)
@@ -37,14 +36,6 @@ def _run(optimizer, params, steps, first=0):
             p.grad = g
         optimizer.step()
 
-
-def _assert_same(opt_a, params_a, opt_b, params_b):
-    for p, q in zip(params_a, params_b):
-        assert torch.equal(p, q)
-        assert opt_a.state[p].keys() == opt_b.state[q].keys()
-        for key, value in opt_a.state[p].items():
-            other = opt_b.state[q][key]
-            assert value.dtype == other.dtype and torch.equal(value, other), key
 
 
 _VARIANTS = {"decoupled": dict(weight_decay=0.1),
@@ -77,7 +68,7 @@ def test_state_in_its_own_dtype_steps_as_the_reference(name, path, dtype, mode, 
         _run(opt, params, STEPS)
         runs.append((opt, params))
     if path == "foreach":
-        _assert_same(*runs[0], *runs[1])
+        assert_same_bits(*runs[0], *runs[1])
     else:  # a rare element may round the other way: within a bf16 ulp
         assert_states_close(*runs[1], *runs[0])
     state_dtype = kwargs.get("state_dtype") or dtype
@@ -102,7 +93,7 @@ def test_the_fused_kernel_gives_the_same_bits_on_every_instruction_set(name, dty
     finally:
         _ops.set_cpu_isa()
     for other in runs[1:]:
-        _assert_same(*runs[0], *other)
+        assert_same_bits(*runs[0], *other)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -329,12 +320,6 @@ def test_compressed_state_trains_as_float32_state_over_three_seeds(cls, lr, para
 
 # -- checkpoints --------------------------------------------------------------------------
 
-def _round_trip(state_dict):
-    buffer = io.BytesIO()
-    torch.save(state_dict, buffer)
-    buffer.seek(0)
-    return torch.load(buffer, weights_only=True)
-
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("param_dtype,state_dtype", [(torch.float32, torch.bfloat16),
@@ -347,13 +332,13 @@ def test_a_saved_state_resumes_bitwise(name, param_dtype, state_dtype):
     params = _params(param_dtype)
     opt = cls(params, lr=1e-2, backend="foreach", state_dtype=state_dtype)
     _run(opt, params, 5)
-    saved, saved_params = _round_trip(opt.state_dict()), [p.detach().clone() for p in params]
+    saved, saved_params = round_trip(opt.state_dict()), [p.detach().clone() for p in params]
     _run(opt, params, 5, first=5)
     resumed = [torch.nn.Parameter(p) for p in saved_params]
     opt2 = cls(resumed, lr=1e-2, backend="foreach", state_dtype=state_dtype)
     opt2.load_state_dict(saved)
     _run(opt2, resumed, 5, first=5)
-    _assert_same(opt, params, opt2, resumed)
+    assert_same_bits(opt, params, opt2, resumed)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -366,14 +351,14 @@ def test_a_checkpoint_converts_between_state_dtypes(name):
     _run(opt, params, 4)
     into = [torch.nn.Parameter(p.detach().clone()) for p in params]
     compressed = cls(into, lr=1e-2, backend="foreach", state_dtype=torch.bfloat16)
-    compressed.load_state_dict(_round_trip(opt.state_dict()))
+    compressed.load_state_dict(round_trip(opt.state_dict()))
     _run(compressed, into, 1, first=4)
     key = "exp_avg_sq" if name == "AdaPNM" else "pos_momentum"
     assert compressed.state[into[0]][key].dtype == torch.bfloat16
     assert "seed" in compressed.state[into[0]]
     back = [torch.nn.Parameter(p.detach().clone()) for p in into]
     plain = cls(back, lr=1e-2, backend="foreach")
-    plain.load_state_dict(_round_trip(compressed.state_dict()))
+    plain.load_state_dict(round_trip(compressed.state_dict()))
     _run(plain, back, 1, first=5)
     assert plain.state[back[0]][key].dtype == torch.float32
 
@@ -433,7 +418,7 @@ def test_the_cuda_kernels_give_the_cpu_kernels_bits(name, mode, monkeypatch):
             runs.append((opt, params))
         finally:
             _ops.set_launch_limits()
-    _assert_same(*runs[0], *runs[1])
+    assert_same_bits(*runs[0], *runs[1])
 
 
 @pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")

@@ -66,7 +66,7 @@ def train(name, args, device, rank):
     ours = name != "AdamW[fused]"
     param_dtype = getattr(torch, args.param_dtype) if ours else torch.float32
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device, param_dtype)
-    if not args.step_in_backward:
+    if not (args.step_in_backward or args.no_fsdp):
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -190,12 +190,14 @@ def main(argv=None):
                         help="comma-separated, from AdamW[fused], AdaPNM, PNM")
     parser.add_argument("--step-in-backward", action="store_true",
                         help="ours step inside backward (one process, no FSDP2)")
+    parser.add_argument("--no-fsdp", action="store_true",
+                        help="one process without FSDP2 (as --step-in-backward runs)")
     args = parser.parse_args(argv)
     unknown = set(args.optimizers.split(",")) - {"AdamW[fused]", "AdaPNM", "PNM"}
     if unknown:
         parser.error(f"unknown optimizers {sorted(unknown)}")
-    if args.step_in_backward and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        parser.error("--step-in-backward runs in one process (no FSDP2, no DDP)")
+    if (args.step_in_backward or args.no_fsdp) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        parser.error("--step-in-backward and --no-fsdp run in one process")
     cuda = torch.cuda.is_available()
     created = not dist.is_initialized()
     if created:
