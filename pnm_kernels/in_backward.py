@@ -50,10 +50,23 @@ class StepInBackward:
         self._pending: list = []
         self._pending_bytes = 0
         self._flush_queued = False
+        self._pass = None  # the backward pass (graph task) whose end will flush the bucket
         self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its version)
-        self._hooks = [p.register_post_accumulate_grad_hook(self._ready)
-                       for p in params if p.requires_grad]
+        # zero_grad(set_to_none=False) keeps a zero gradient for every parameter that ever had
+        # one, and the ordinary step steps it: the parameters ever stepped, and those since the
+        # last step(), to step the others with zeros as it would.
+        self._zero_filled = False
+        self._ever: dict = {}
+        self._since_step: set = set()
+        self._hooks: list = []
+        self.watch(params)
         optimizer._in_backward = self
+
+    def watch(self, params) -> None:
+        """Hooks on these parameters (those requiring gradients: autograd hooks no other);
+        optimizer.add_param_group calls it for the parameters it adds."""
+        self._hooks += [p.register_post_accumulate_grad_hook(self._ready)
+                        for p in params if p.requires_grad]
 
     # -- the user's side -------------------------------------------------------------------
 
@@ -92,11 +105,18 @@ class StepInBackward:
             _, passes, _, _ = self._seen.get(id(p), (p, 0, None, 0))
             self._seen[id(p)] = (p, passes + 1, grad, grad._version)
             return
+        this_pass = _backward_pass()
+        if self._flush_queued and this_pass != self._pass:
+            # The pass that queued the flush failed (autograd dropped its callback): what it
+            # left pending is not stepped, as the ordinary loop skips the step of a failed
+            # backward (its gradients are the user's zero_grad's to clear).
+            self._pending, self._pending_bytes, self._flush_queued = [], 0, False
         self._pending.append(p)
         self._pending_bytes += grad.numel() * grad.element_size()
         if not self._flush_queued:  # the rest once the whole backward pass is done
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             self._flush_queued = True
+            self._pass = this_pass
         if self._pending_bytes >= self._bucket_bytes:
             self._step_pending()
 
@@ -106,10 +126,19 @@ class StepInBackward:
 
     def _step_pending(self) -> None:
         params, self._pending, self._pending_bytes = self._pending, [], 0
+        self._step_and_free(params)
+
+    def _step_and_free(self, params) -> None:
         if params:
             self._optimizer._step_only(params)
         for p in params:
             p.grad = None
+            self._ever[id(p)] = p
+            self._since_step.add(id(p))
+
+    def zeroing(self, set_to_none: bool) -> None:
+        """optimizer.zero_grad(set_to_none) was called."""
+        self._zero_filled = not set_to_none
 
     # -- optimizer.step() --------------------------------------------------------------------
 
@@ -117,16 +146,26 @@ class StepInBackward:
         """What optimizer.step() does now: True to run the ordinary step (the probe, or
         gradients that no hook consumed), having refused what cannot be applied."""
         if closure is not None:
+            self._seen = {}
             raise RuntimeError("step_in_backward: step(closure) would run backward again, which "
                                "steps inside it already; call backward, then step()")
         if scaling.grad_scale is not None or scaling.found_inf is not None:
+            self._seen = {}
             raise RuntimeError(
                 "step_in_backward does not work with torch.amp.GradScaler: an inf found in one "
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
         if not self._probing:
+            if self._zero_filled:  # what the ordinary step would step with a zero gradient
+                missing = [p for key, p in self._ever.items()
+                           if key not in self._since_step and p.grad is None]
+                for p in missing:
+                    p.grad = torch.zeros_like(p)
+                self._step_and_free(missing)
+            self._since_step = set()
             return True  # steps only what still has a gradient (none, in the usual loop)
-        for p, passes, grad, version in self._seen.values():
+        seen, self._seen = self._seen, {}  # a refused probe is retried afresh
+        for p, passes, grad, version in seen.values():
             if passes > 1:
                 raise RuntimeError(
                     f"step_in_backward: {passes} backward passes reached a parameter of shape "
@@ -140,8 +179,17 @@ class StepInBackward:
                     "cannot do: it steps each gradient as soon as it is made. Use the "
                     "ordinary step")
         self._probing = False
-        self._seen = {}
+        params = (p for group in self._optimizer.param_groups for p in group["params"])
+        self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these
+        self._since_step = set()
         return True
+
+
+def _backward_pass():
+    """Which backward pass is running (autograd's graph task id), None where torch has no
+    such query."""
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return None if current is None else current()
 
 
 __all__ = ["StepInBackward"]

@@ -2,6 +2,8 @@
 over: under torch.compile the traced step (traced.py); else the last step repeated from the
 lists held in C++ (repeat.py) where nothing it depends on changed; else a planned step
 (plan.py), which checks everything before any backend touches a tensor."""
+from typing import Optional
+
 import torch
 from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
@@ -39,7 +41,8 @@ class _PositiveNegativeMomentum(Optimizer):
         the last step as held in C++. Not part of the optimizer's pickled state."""
         self._planner = Planner(self._adaptive, self._keys)
         self._batches = BatchCache()
-        self._in_backward = None  # the StepInBackward handle while the step runs in backward
+        # The StepInBackward handle while the step runs in backward.
+        self._in_backward: Optional[StepInBackward] = None
         self._repeat = RepeatedStep()
 
     def __setstate__(self, state):
@@ -97,6 +100,9 @@ class _PositiveNegativeMomentum(Optimizer):
                         "only once")
                 first[id(tensor)] = i
         super().add_param_group(param_group)
+        handle = getattr(self, "_in_backward", None)
+        if handle is not None:  # its parameters step in backward too
+            handle.watch(self.param_groups[-1]["params"])
 
     @torch.no_grad()
     def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
@@ -129,6 +135,11 @@ class _PositiveNegativeMomentum(Optimizer):
             plan = planner.plan(self, cache, names, defer=False)
         self._run(plan, scaling)
         return loss
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        if self._in_backward is not None:
+            self._in_backward.zeroing(set_to_none)
+        super().zero_grad(set_to_none)
 
     def step_in_backward(self, bucket_mib: float = 25.0) -> StepInBackward:
         """Steps each parameter inside backward as soon as its gradient is accumulated, then

@@ -10,6 +10,7 @@ import pytest
 import torch
 
 from cases import FAST_PATHS, OPTIMIZERS, parametrize
+from conftest import assert_same_bits
 from pnm_kernels import PNM, AdaPNM
 
 MODES = {"plain": (torch.float32, {}),
@@ -208,3 +209,67 @@ def test_a_compiled_model_steps_in_backward_as_with_the_ordinary_step():
         _train(torch.compile(model), opt, _batches(4))
         runs.append((model, opt))
     _assert_same(*runs[0], *runs[1])
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (an out-of-memory error, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated failure in backward")
+
+
+def _loop_with_edge_cases(in_backward):
+    """zero_grad(set_to_none=False); a layer the loss reaches only in some steps; one backward
+    pass that fails after a layer's gradients were accumulated (the batch skipped)."""
+    torch.manual_seed(0)
+    a, b, c, sometimes = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2),
+                          torch.nn.Linear(4, 2))
+    opt = PNM([*a.parameters(), *b.parameters(), *sometimes.parameters()], lr=0.1,
+              weight_decay=0.1)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=100 / 2**20)  # a's gradients alone stay pending
+    gen = torch.Generator().manual_seed(2)
+    for k in range(6):
+        opt.zero_grad(set_to_none=False)
+        x = torch.randn(8, 4, generator=gen)
+        if k == 3:
+            loss = _FailsInBackward.apply(c(x)).sum() + a(x).sum()
+        else:
+            loss = b(a(x)).square().mean() + (sometimes(x).square().mean() if k < 2 else 0)
+        try:
+            loss.backward()
+        except RuntimeError:
+            continue
+        opt.step()
+    return [a, b, sometimes], opt
+
+
+def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_loop():
+    """zero_grad(set_to_none=False) keeps a zero gradient for a layer the loss stops reaching,
+    which the ordinary step still steps (decay, momentum, its counter): so does the step in
+    backward, at step(). A backward pass that fails leaves nothing pending for the next."""
+    (layers_a, opt_a), (layers_b, opt_b) = (_loop_with_edge_cases(False),
+                                            _loop_with_edge_cases(True))
+    params_a = [p for layer in layers_a for p in layer.parameters()]
+    params_b = [p for layer in layers_b for p in layer.parameters()]
+    assert int(opt_b.state[layers_b[2].weight]["step"]) == 5  # stepped in every completed step
+    assert_same_bits(opt_a, params_a, opt_b, params_b)
+
+
+def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    with pytest.raises(RuntimeError, match="gradient clipping"):
+        _train(model, opt, _batches(1), clip=True)
+    _train(model, opt, _batches(2))  # the loop fixed: the probe passes, then in backward
+    extra = torch.nn.Linear(16, 3)
+    opt.add_param_group({"params": list(extra.parameters())})
+    (model(_batches(1)[0]).sum() + extra(_batches(1)[0]).sum()).backward()
+    assert all(p.grad is None for p in [*model.parameters(), *extra.parameters()])
+    assert int(opt.state[extra.weight]["step"]) == 1
