@@ -52,6 +52,8 @@ PEERS = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused
 
 
 STATE_NAMES = {"bfloat16": "bf16 state", "float32": "fp32 state", "int8": "int8 state"}
+# torchao's 8-bit AdamW (no AMSGrad): beside int8 state, in AdaPNM's panel.
+TORCHAO_ADAMW8BIT = "torchao.AdamW8bit"
 
 
 def state_label(state_dtype):
@@ -66,6 +68,8 @@ def bytes_per_element(label, family, dtype):
     in the parameter's dtype or, for our contenders with their own state dtype, in that (an
     int8 code with its share of its block's float32 scale)."""
     size = torch.tensor([], dtype=dtype).element_size()
+    if label == TORCHAO_ADAMW8BIT:  # two 8-bit moments, a float32 scale per 256
+        return 3 * size + 4 * (1 + 4 / 256)
     for state_dtype, name in STATE_NAMES.items():
         if name in label:
             state_accesses = {"PNM": 3, "AdaPNM": 7}[family]
@@ -105,6 +109,12 @@ def contenders(device, dtype=torch.float32, state_dtype=None):
     out.append(("PNM[user foreach+torch.compile]", "PNM", lambda ps: CompiledPNM(ps, lr=1e-3)))
     out.append(("AdaPNM[user foreach+torch.compile]", "AdaPNM",
                 lambda ps: CompiledAdaPNM(ps, lr=1e-3)))
+    if state_dtype == torch.int8:
+        try:  # the low-bit peer, where it installs (never a dependency)
+            from torchao.optim import AdamW8bit
+            out.append((TORCHAO_ADAMW8BIT, "AdaPNM", lambda ps: AdamW8bit(ps, lr=1e-3)))
+        except ImportError:
+            pass
     try:  # an optional peer, never a dependency
         import pytorch_optimizer
         out.append(("pytorch_optimizer.PNM", "PNM",
@@ -364,6 +374,7 @@ KINDS = [("fused", "tab:red", "o", "pnm_kernels fused"),
          ("reference+torch.compile", "tab:olive", "X", "reference + torch.compile"),
          ("user foreach+torch.compile", "tab:pink", "P", "PNM/AdaPNM in foreach ops + torch.compile"),
          ("pytorch_optimizer", "tab:cyan", "^", "pytorch_optimizer"),
+         ("torchao", "tab:gray", "v", "torchao AdamW8bit (AdaPNM panel)"),
          ("torch foreach", "tab:blue", "<", "torch foreach"),
          ("torch foreach+torch.compile", "tab:green", ">", "torch foreach + torch.compile"),
          ("torch AdamW fused", "tab:gray", "h", "torch AdamW fused (AdaPNM panel)"),
@@ -374,6 +385,8 @@ def kind_of(label):
     """"PNM[fused]" -> "fused", "torch.Adam-amsgrad[foreach]" -> "torch foreach", ..."""
     if label.startswith("pytorch_optimizer."):
         return "pytorch_optimizer"
+    if label == TORCHAO_ADAMW8BIT:
+        return "torchao"
     name, _, how = label.rstrip("]").partition("[")
     if name.startswith("torch.AdamW"):
         return f"torch AdamW {how}"
