@@ -273,3 +273,32 @@ def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
     (model(_batches(1)[0]).sum() + extra(_batches(1)[0]).sum()).backward()
     assert all(p.grad is None for p in [*model.parameters(), *extra.parameters()])
     assert int(opt.state[extra.weight]["step"]) == 1
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_a_dcp_checkpoint_of_int8_state_resumes_bitwise_in_backward():
+    """torch.distributed.checkpoint in one process (get_state_dict, save, load into a fresh
+    model and optimizer that also step in backward, set_state_dict), int8 state."""
+    import tempfile
+
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2, state_dtype=torch.int8)
+    opt.step_in_backward(bucket_mib=0.05)
+    _train(model, opt, _batches(3))
+    fresh = _model()
+    fresh_opt = AdaPNM(fresh.parameters(), lr=1e-2, state_dtype=torch.int8)
+    fresh_opt.step_in_backward(bucket_mib=0.05)
+    with tempfile.TemporaryDirectory() as directory:
+        model_sd, optim_sd = get_state_dict(model, opt)
+        dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=directory)
+        model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
+        loaded = {"model": model_sd, "optim": optim_sd}
+        dcp.load(loaded, checkpoint_id=directory)
+        set_state_dict(fresh, fresh_opt, model_state_dict=loaded["model"],
+                       optim_state_dict=loaded["optim"])
+    _train(model, opt, _batches(6)[3:])
+    _train(fresh, fresh_opt, _batches(6)[3:])
+    _assert_same(model, opt, fresh, fresh_opt)
