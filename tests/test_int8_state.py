@@ -3,14 +3,14 @@ with one float32 scale per block, written with stochastic rounding. Every path t
 gives the reference's parameters, codes and scales bitwise; the codes are unbiased; blocks
 lie within dim-0 rows, so sharded parameters quantise as whole ones; the state travels in a
 plain state_dict, converts to and from other state dtypes, and what does not fit is refused
-naming it before anything is touched. (Training as well as float32 state, and the drift
-test: tests/test_state_dtype.py, over both compressed dtypes.)"""
+naming it before anything is touched. (Training as well as float32 state, the drift test and
+dim-0 shards: tests/test_state_dtype.py, over both compressed dtypes.)"""
 import pytest
 import torch
 
 from cases import INT8_PATHS, OPTIMIZERS, parametrize
 from conftest import assert_same_bits, round_trip
-from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
+from pnm_kernels import PNM, AdaPNM, _ops, quantization
 from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
 from pnm_kernels.state import ensure_state
 
@@ -146,36 +146,6 @@ def test_a_block_holding_a_non_finite_value_reads_nan_and_the_others_stay():
     assert values[0, :BLOCK].isnan().all()
     assert torch.allclose(values[0, BLOCK:], x[0, BLOCK:], rtol=0.05, atol=0.05 * x.abs().max())
     assert not values[1].isnan().any()
-
-
-def test_dim0_shards_quantise_as_the_whole_parameter():
-    """FSDP2 shards along dim 0, unevenly: each shard stepped with the elements before it as
-    its offset gives bitwise the whole parameter's step, codes and scales included."""
-    rows, length = 31, 200
-    whole = torch.randn(rows, length)
-    grads = [torch.randn(rows, length) for _ in range(6)]
-    common = dict(lr=1e-2, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.1,
-                  amsgrad=True, decoupled=True, maximize=False, state_dtype=torch.int8)
-    names = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
-
-    def fresh_state(n):
-        state = {name: torch.zeros(n, length, dtype=quantization.code_dtype(name)) for name in names}
-        state.update({scale_name(name): torch.zeros(n, 2) for name in names})
-        state.update(step=torch.zeros((), dtype=torch.float64), seed=torch.tensor(5))
-        return state
-
-    param, state = whole.clone(), fresh_state(rows)
-    shards = [(0, 16), (16, 31)]
-    shard_params = [whole[a:b].clone() for a, b in shards]
-    shard_states = [fresh_state(b - a) for a, b in shards]
-    for g in grads:
-        reference.adapnm_step(param, g, state, **common)
-        for (a, b), p, s in zip(shards, shard_params, shard_states):
-            reference.adapnm_step(p, g[a:b], s, offset=a * length, **common)
-    assert torch.equal(torch.cat(shard_params), param)
-    for key in state:
-        if key not in ("step", "seed"):
-            assert torch.equal(torch.cat([s[key] for s in shard_states]), state[key]), key
 
 
 # -- checkpoints --------------------------------------------------------------------------

@@ -162,31 +162,40 @@ def test_element_index_is_memory_order_plus_the_offset():
     assert int(index[0, 1, 0, 0]) == 10 + 1  # channels are adjacent in memory
 
 
-def test_dim0_shards_with_their_offsets_step_as_the_whole_parameter():
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8])
+def test_dim0_shards_with_their_offsets_step_as_the_whole_parameter(state_dtype):
     """FSDP2 shards along dim 0, unevenly: each shard stepped with the elements before it as
-    its offset gives bitwise the whole parameter's step (parameters and bfloat16 state)."""
-    whole = torch.randn(31, 16)
-    grads = [torch.randn(31, 16) for _ in range(6)]
+    its offset gives bitwise the whole parameter's step (parameters and state: bfloat16, or
+    int8 codes and their block scales, rows of 200 being two blocks)."""
+    rows, length = 31, 200
+    whole = torch.randn(rows, length)
+    grads = [torch.randn(rows, length) for _ in range(6)]
     common = dict(lr=1e-2, beta1=0.9, beta2=0.999, beta0=1.0, eps=1e-8, weight_decay=0.1,
-                  amsgrad=True, decoupled=True, maximize=False, state_dtype=torch.bfloat16)
+                  amsgrad=True, decoupled=True, maximize=False, state_dtype=state_dtype)
+    names = ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")
 
-    def fresh_state(rows):
-        state = {name: torch.zeros(rows, 16, dtype=torch.bfloat16)
-                 for name in ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq")}
+    def fresh_state(n):
+        if state_dtype == torch.int8:
+            state = {name: torch.zeros(n, length, dtype=quantization.code_dtype(name))
+                     for name in names}
+            state.update({quantization.scale_name(name): torch.zeros(n, 2) for name in names})
+        else:
+            state = {name: torch.zeros(n, length, dtype=state_dtype) for name in names}
         state.update(step=torch.zeros((), dtype=torch.float64), seed=torch.tensor(5))
         return state
 
-    param, state = whole.clone(), fresh_state(31)
-    shards = [(0, 16), (16, 31)]
+    param, state = whole.clone(), fresh_state(rows)
+    shards = [(0, 16), (16, rows)]
     shard_params = [whole[a:b].clone() for a, b in shards]
     shard_states = [fresh_state(b - a) for a, b in shards]
     for g in grads:
         reference.adapnm_step(param, g, state, **common)
         for (a, b), p, s in zip(shards, shard_params, shard_states):
-            reference.adapnm_step(p, g[a:b], s, offset=a * 16, **common)
+            reference.adapnm_step(p, g[a:b], s, offset=a * length, **common)
     assert torch.equal(torch.cat(shard_params), param)
-    for name in ("exp_avg", "neg_exp_avg", "exp_avg_sq", "max_exp_avg_sq"):
-        assert torch.equal(torch.cat([s[name] for s in shard_states]), state[name])
+    for key in state:
+        if key not in ("step", "seed"):
+            assert torch.equal(torch.cat([s[key] for s in shard_states]), state[key]), key
 
 
 # -- training as well as float32 state ----------------------------------------------------
