@@ -85,6 +85,11 @@ stage bench_fp64 60 python3 benchmarks/bench_step.py --device cuda --dtype float
 mkdir -p "$WORK/bf16_state"
 stage bench_bf16_state 60 python3 benchmarks/bench_step.py --device cuda --state-dtype bfloat16 \
   --sets transformer,flat64M,flat256M --rounds 9 --out "$WORK/bf16_state"
+# int8 state (csrc/int8_block.h): the transformer and GPT-2 sets (their weights are 2-D: the
+# flat sets' 1-D tensors would keep bfloat16 state), with torchao's AdamW8bit where installed.
+mkdir -p "$WORK/int8_state"
+stage bench_int8_state 60 python3 benchmarks/bench_step.py --device cuda --state-dtype int8 \
+  --sets transformer,gpt2-124m,llama-1b --rounds 9 --out "$WORK/int8_state"
 
 cat > "$WORK/sanitize_step.py" <<'PY'
 import torch
@@ -99,14 +104,20 @@ for dtype in (torch.float32, torch.bfloat16, torch.float64):
             opt_state = opt_cls([p.detach().clone().requires_grad_() for p in ps + [odd]],
                                 lr=1e-3, backend="fused", state_dtype=torch.bfloat16,
                                 bf16_stochastic_round=True) if dtype != torch.float64 else None
+            # the int8 kernel (int8_block.h): rows ending in a short block, one-block rows
+            rows = [torch.randn(s, device="cuda", dtype=dtype).requires_grad_()
+                    for s in [(7, 300), (3, 129), (2, 128), (5, 3, 50)]]
+            opt_int8 = opt_cls(rows, lr=1e-3, backend="fused", state_dtype=torch.int8) \
+                if dtype != torch.float64 else None
             for _ in range(3):
                 for p in ps + [odd]:
                     p.grad = torch.randn_like(p)
                 opt.step()
-                if opt_state is not None:  # the state kernel (state_block.h) too
-                    for p in opt_state.param_groups[0]["params"]:
-                        p.grad = torch.randn_like(p)
-                    opt_state.step()
+                for extra in (opt_state, opt_int8):  # the state kernels too
+                    if extra is not None:
+                        for p in extra.param_groups[0]["params"]:
+                            p.grad = torch.randn_like(p)
+                        extra.step()
 torch.cuda.synchronize()
 print("sanitized step ran")
 PY
@@ -124,8 +135,7 @@ stage gpt_fsdp2 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup
 stage gpt_fsdp2_bf16_state 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
   --state-dtype bfloat16
 # Issue 34's measurement: peak memory and bytes per parameter beyond the activations, the
-# ordinary fused step against bf16 parameters + int8 state + the step inside backward (int8
-# state steps in foreach on CUDA: no CUDA kernel keeps it yet).
+# ordinary fused step against bf16 parameters + int8 state + the step inside backward.
 stage gpt_in_backward 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
   --optimizers "AdamW[fused],PNM,AdaPNM" --no-fsdp
 stage gpt_in_backward_int8 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
@@ -146,6 +156,7 @@ for f in "$WORK"/bench_step-cuda-*.md; do
 done
 grep -E "\[fused\]|torch.compile\]" "$WORK/compiled/bench_step-cuda-float32.md" 2>/dev/null | cut -c1-150
 grep -F "[fused" "$WORK/bf16_state/"*.md 2>/dev/null | cut -c1-150
+grep -F "int8" "$WORK/int8_state/"*.md 2>/dev/null | cut -c1-150
 tail -6 "$WORK/gpt_fsdp2_bf16_state.log" 2>/dev/null
 cat "$WORK/chunk_sweep.md" 2>/dev/null
 cat "$WORK/launch_params.log" 2>/dev/null

@@ -18,6 +18,7 @@
 
 #include "cpu_elements.h"
 #include "cpu_kernel.h"
+#include "int8_codes.h"
 #include "stochastic_rounding.h"
 
 namespace pnm {
@@ -26,69 +27,33 @@ namespace {
 constexpr int kBlock = static_cast<int>(kInt8Block);
 constexpr int64_t kBlocksPerShare = 256;  // 32K elements: kCpuChunk's worth a thread
 
-// A buffer's map: momenta in signed codes (int8, up to 127, values (c/127)^2 of the scale),
-// second moments in unsigned ones (uint8, up to 255, values (c/255)^4).
+// A buffer's codes a block at a time, with int8_codes.h's element functions.
 template <bool kSigned>
-struct CodeMap {
-  using Code = std::conditional_t<kSigned, int8_t, uint8_t>;
-  static constexpr float kMax = kSigned ? 127.0f : 255.0f;
-  static constexpr int kPower = kSigned ? 2 : 4;
-
-  static constexpr float kInverseMax = static_cast<float>(1.0 / (kSigned ? 127.0 : 255.0));
-
-  // (code / kMax)^kPower, multiplied out as the reference does.
-  static PNM_CPU_INLINE float magnitude(float code) {
-    float t = code * kInverseMax;
-    t = t * t;
-    return kPower == 4 ? t * t : t;
-  }
+struct BlockCodes {
+  using Map = CodeMap<kSigned>;
+  using Code = typename Map::Code;
 
   static PNM_CPU_INLINE void decode(const Code* codes, float scale, int n, float* out) {
-    for (int i = 0; i < n; ++i) {
-      const int c = codes[i];
-      const float m = magnitude(static_cast<float>(c < 0 ? -c : c)) * scale;
-      out[i] = c < 0 ? -m : m;
-    }
+    for (int i = 0; i < n; ++i) out[i] = Map::decode(codes[i], scale);
   }
 
-  // Codes for x[0, n) with 16 random bits each (bits[i] < 2^16); returns the block's scale:
-  // its largest magnitude, or NaN where a value is not finite (or, unsigned, negative).
-  // Written without branches on the values (random bits would make them unpredictable) so
-  // that the loop vectorises.
+  // Codes for x[0, n) with 16 random bits each (bits[i] < 2^16); returns the block's scale.
+  // The largest magnitude is an integer reduction over bit patterns, which vectorises.
   static PNM_CPU_INLINE float encode(const float* x, const uint32_t* bits, int n, Code* codes) {
-    // The largest magnitude as the largest bit pattern of |x| (their order for non-negative
-    // floats; NaN and inf above every finite value), and whether a value is below zero (-0.0
-    // is not): integer reductions, which vectorise.
-    uint32_t largest = 0, negative = 0;
+    uint32_t largest = 0;
     for (int i = 0; i < n; ++i) {
-      const uint32_t u = bit_cast<uint32_t>(x[i]);
-      const uint32_t magnitude_bits = u & 0x7FFFFFFFu;
-      largest = magnitude_bits > largest ? magnitude_bits : largest;
-      negative |= static_cast<uint32_t>(u > 0x80000000u);
+      const uint32_t b = Map::scale_bits(x[i]);
+      largest = b > largest ? b : largest;
     }
-    const bool finite = largest < 0x7F800000u && (kSigned || negative == 0);
-    const float scale = finite ? bit_cast<float>(largest) : std::numeric_limits<float>::quiet_NaN();
+    const float scale = Map::block_scale(largest);
     const float inverse = 1.0f / scale;
-    for (int i = 0; i < n; ++i) {
-      const float a = std::fabs(x[i]) * inverse;  // NaN where the scale is 0 or NaN: code 0
-      float root = std::sqrt(a);
-      if (kPower == 4) root = std::sqrt(root);
-      float low = std::floor(root * kMax);
-      low = low >= 0.0f ? low : 0.0f;  // and NaN to 0
-      low = low < kMax - 1.0f ? low : kMax - 1.0f;
-      const float below = magnitude(low), above = magnitude(low + 1.0f);
-      const float u = static_cast<float>(static_cast<int32_t>(bits[i])) * (1.0f / 65536.0f);
-      // Up with probability (a - below) / (above - below), without the division.
-      const float gap = above - below, excess = a - below;
-      const int32_t code = static_cast<int32_t>(low + (u * gap < excess ? 1.0f : 0.0f));
-      codes[i] = static_cast<Code>(x[i] < 0.0f ? -code : code);
-    }
+    for (int i = 0; i < n; ++i) codes[i] = static_cast<Code>(Map::encode(x[i], inverse, bits[i]));
     return scale;
   }
 };
 
-using Signed = CodeMap<true>;
-using Unsigned = CodeMap<false>;
+using Signed = BlockCodes<true>;
+using Unsigned = BlockCodes<false>;
 
 // One tensor of one step. codes/scales: m, m_other, v, v_max (parity applied: [0] is this
 // step's momentum buffer).
@@ -253,13 +218,8 @@ void run_int8_step(const StepCall& call, const StepArgs& args) {
 void cpu_int8_step(const StepCall& call) {
   if (call.size() == 0) return;
   const StepArgs args = make_step_args(call);
-  dispatch_step(call, [&](auto t, auto a) {
-    using T = typename decltype(t)::type;
-    if constexpr (std::is_same_v<T, double>) {
-      TORCH_CHECK(false, "pnm_kernels: float64 parameters keep float64 state");
-    } else {
-      run_int8_step<T, typename decltype(a)::type>(call, args);
-    }
+  dispatch_int8_step(call, [&](auto t, auto a) {
+    run_int8_step<typename decltype(t)::type, typename decltype(a)::type>(call, args);
   });
 }
 

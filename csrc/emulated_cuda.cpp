@@ -5,6 +5,7 @@
 // (docs/design.md §4). Element maths: built with -ffp-contract=off (setup.py).
 #include "emulated_cuda.h"
 
+#include "int8_block.h"
 #include "state_block.h"
 
 namespace pnm {
@@ -77,7 +78,52 @@ void run_emulated_state(const StepCall& call, const StepArgs& args) {
   }
 }
 
+// The int8 ops' launches (int8_block.h): each warp's lanes in turn, their largest magnitudes
+// reduced between the two halves as the warp's shuffles do on the GPU.
+template <typename T, class Algo>
+void run_emulated_int8(const StepCall& call, const StepArgs& args) {
+  constexpr int kWarps = kBlockSize / kWarpSize;
+  constexpr int kWritten = Int8Lane<Algo>::kWritten;
+  const auto tables = plan_int8_launches<Algo::kLists>(call, sizeof(T));
+  std::vector<Int8Lane<Algo>> lanes(kWarpSize);
+  for (const auto& table : tables) {
+    for (int block = 0; block < table.num_blocks; ++block) {
+      if (step_skipped(args.found_inf)) break;
+      const Int8Chunk c = int8_chunk(table, args, Algo::kAdaptive, block);
+      for (int warp = 0; warp < kWarps; ++warp) {
+        for (int64_t b = c.first + warp; b < c.end; b += kWarps) {
+          const CodeBlock q = code_block(table, c, b);
+          uint32_t largest[kWritten] = {};
+          for (int lane = 0; lane < kWarpSize; ++lane) {
+            int8_lane_step<T, Algo>(table, c, q, call.bf16_stochastic_round, lane, lanes[lane]);
+            for (int w = 0; w < kWritten; ++w) {
+              largest[w] = std::max(largest[w], lanes[lane].largest[w]);
+            }
+          }
+          for (int lane = 0; lane < kWarpSize; ++lane) {
+            int8_lane_encode<Algo>(table, c, q, lane, lanes[lane], largest);
+          }
+        }
+      }
+    }
+  }
+  const GatheredPointers g = gather_pointers(call);
+  for (const auto& counters : plan_step_counters(static_cast<int>(call.size()), g.steps.data())) {
+    for (int thread = 0; thread < kBlockSize; ++thread) {
+      increment_steps(counters, args.found_inf, thread, kBlockSize);
+    }
+  }
+}
+
 }  // namespace
+
+void emulated_cuda_int8_step(const StepCall& call) {
+  if (call.size() == 0) return;
+  const StepArgs args = make_step_args(call);
+  dispatch_int8_step(call, [&](auto t, auto a) {
+    run_emulated_int8<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+  });
+}
 
 void emulated_cuda_state_step(const StepCall& call) {
   if (call.size() == 0) return;

@@ -11,4 +11,7 @@ void emulated_cuda_step(const StepCall& call);
 // The same for the state ops (state in a dtype of its own): state_block.h's launches.
 void emulated_cuda_state_step(const StepCall& call);
 
+// The same for the int8 ops: int8_block.h's launches.
+void emulated_cuda_int8_step(const StepCall& call);
+
 }  // namespace pnm

@@ -34,6 +34,9 @@ constexpr int64_t default_chunk_size(size_t element_size) {
   return element_size >= 4 ? 4096 : 16384;
 }
 constexpr int kVecBytes = 16;  // one 128-bit load or store per list and thread
+// int8 state's blocks (pnm_kernels/quantization.py's BLOCK): a row of dim 0 is cut into blocks
+// of this many elements, each with one float32 scale.
+constexpr int64_t kInt8Block = 128;
 
 // Lists, in this order in every table: 0 param, 1 grad, 2 positive buffer (pos_momentum /
 // exp_avg), 3 negative buffer (neg_momentum / neg_exp_avg), 4 exp_avg_sq, 5 max_exp_avg_sq.

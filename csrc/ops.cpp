@@ -38,6 +38,10 @@ struct EmulatedCudaState {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { emulated_cuda_state_step(call); }
 };
+struct EmulatedCudaInt8 {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
+  static void run(const StepCall& call) { emulated_cuda_int8_step(call); }
+};
 struct EmulatedCuda {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CPU;
   static void run(const StepCall& call) { emulated_cuda_step(call); }
@@ -166,6 +170,8 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def(ADAPNM_STATE_STEP_SCHEMA("emulated_cuda_adapnm_state_step_"));
   m.def(PNM_INT8_STEP_SCHEMA("pnm_int8_step_"));
   m.def(ADAPNM_INT8_STEP_SCHEMA("adapnm_int8_step_"));
+  m.def(PNM_INT8_STEP_SCHEMA("emulated_cuda_pnm_int8_step_"));
+  m.def(ADAPNM_INT8_STEP_SCHEMA("emulated_cuda_adapnm_int8_step_"));
   m.def("_set_launch_limits(int chunk_size, int max_tensors, int max_blocks, "
         "int max_single_launch_blocks=0) -> ()",
         &pnm::set_launch_limits);
@@ -204,6 +210,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
   m.impl("emulated_cuda_adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::EmulatedCudaState>);
   m.impl("pnm_int8_step_", &pnm::pnm_int8_step_op<pnm::CpuInt8>);
   m.impl("adapnm_int8_step_", &pnm::adapnm_int8_step_op<pnm::CpuInt8>);
+  m.impl("emulated_cuda_pnm_int8_step_", &pnm::pnm_int8_step_op<pnm::EmulatedCudaInt8>);
+  m.impl("emulated_cuda_adapnm_int8_step_", &pnm::adapnm_int8_step_op<pnm::EmulatedCudaInt8>);
 }
 
 // Importing pnm_kernels._C runs the registrations above.
@@ -217,7 +225,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
                            "emulated_cuda_adapnm_step_", "pnm_state_step_",
                            "adapnm_state_step_", "emulated_cuda_pnm_state_step_",
                            "emulated_cuda_adapnm_state_step_", "pnm_int8_step_",
-                           "adapnm_int8_step_"}) {
+                           "adapnm_int8_step_", "emulated_cuda_pnm_int8_step_",
+                           "emulated_cuda_adapnm_int8_step_"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }

@@ -6,6 +6,7 @@
 #include <c10/cuda/CUDAStream.h>
 #include <torch/library.h>
 
+#include "int8_block.h"
 #include "state_block.h"
 #include "step_call.h"
 
@@ -61,6 +62,35 @@ __global__ void __launch_bounds__(kBlockSize, 2)
                      bool param_stochastic) {
   state_step_block<T, S, Algo>(table, args, param_stochastic, blockIdx.x, threadIdx.x,
                                blockDim.x);
+}
+
+// int8 state (int8_block.h): a warp per quantisation block, its largest magnitudes reduced
+// with shuffles between the step and the encode. Two blocks an SM stated outright, as for
+// own_state_kernel: bounded by the block size alone, ptxas spilled PNM's at 40 registers.
+template <typename T, class Algo>
+__global__ void __launch_bounds__(kBlockSize, 2)
+    int8_state_kernel(const __grid_constant__ Int8Table<Algo::kLists> table, const StepArgs args,
+                      bool param_stochastic) {
+  constexpr int kWarps = kBlockSize / kWarpSize;
+  constexpr int kWritten = Int8Lane<Algo>::kWritten;
+  if (step_skipped(args.found_inf)) return;
+  const Int8Chunk c = int8_chunk(table, args, Algo::kAdaptive, blockIdx.x);
+  const int warp = threadIdx.x / kWarpSize, lane = threadIdx.x % kWarpSize;
+  for (int64_t b = c.first + warp; b < c.end; b += kWarps) {  // the same for the whole warp
+    const CodeBlock q = code_block(table, c, b);
+    Int8Lane<Algo> mine;
+    int8_lane_step<T, Algo>(table, c, q, param_stochastic, lane, mine);
+    uint32_t largest[kWritten];
+#pragma unroll
+    for (int w = 0; w < kWritten; ++w) {
+      largest[w] = mine.largest[w];
+#pragma unroll
+      for (int offset = kWarpSize / 2; offset > 0; offset /= 2) {
+        largest[w] = max(largest[w], __shfl_xor_sync(0xFFFFFFFFu, largest[w], offset));
+      }
+    }
+    int8_lane_encode<Algo>(table, c, q, lane, mine, largest);
+  }
 }
 
 int multiprocessor_count(int device) {
@@ -122,6 +152,34 @@ void run_cuda_state(const StepCall& call, const StepArgs& args) {
   }
 }
 
+template <typename T, class Algo>
+void run_cuda_int8(const StepCall& call, const StepArgs& args) {
+  const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
+  for (const auto& table : plan_int8_launches<Algo::kLists>(call, sizeof(T))) {
+    if (table.num_blocks == 0) continue;
+    int8_state_kernel<T, Algo><<<table.num_blocks, kBlockSize, 0, stream>>>(
+        table, args, call.bf16_stochastic_round);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+  const GatheredPointers g = gather_pointers(call);
+  for (const auto& counters : plan_step_counters(static_cast<int>(call.size()), g.steps.data())) {
+    increment_kernel<<<1, 256, 0, stream>>>(counters, args.found_inf);
+    C10_CUDA_KERNEL_LAUNCH_CHECK();
+  }
+}
+
+struct CudaInt8 {
+  static constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
+  static void run(const StepCall& call) {
+    if (call.size() == 0) return;
+    const c10::cuda::CUDAGuard guard(call.lists[0][0].device());
+    const StepArgs args = make_step_args(call);
+    dispatch_int8_step(call, [&](auto t, auto a) {
+      run_cuda_int8<typename decltype(t)::type, typename decltype(a)::type>(call, args);
+    });
+  }
+};
+
 struct CudaState {
   static constexpr c10::DeviceType kDevice = c10::DeviceType::CUDA;
   static void run(const StepCall& call) {
@@ -155,4 +213,6 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CUDA, m) {
   m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::Cuda>);
   m.impl("pnm_state_step_", &pnm::pnm_state_step_op<pnm::CudaState>);
   m.impl("adapnm_state_step_", &pnm::adapnm_state_step_op<pnm::CudaState>);
+  m.impl("pnm_int8_step_", &pnm::pnm_int8_step_op<pnm::CudaInt8>);
+  m.impl("adapnm_int8_step_", &pnm::adapnm_int8_step_op<pnm::CudaInt8>);
 }

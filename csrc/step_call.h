@@ -68,10 +68,6 @@ StepCall make_adapnm_call(at::TensorList params, at::TensorList grads, at::Tenso
                           at::IntArrayRef offsets = {}, bool own_state_dtype = false,
                           bool bf16_stochastic_round = false, at::TensorList scales = {});
 
-// int8 state's blocks (pnm_kernels/quantization.py's BLOCK): a row of dim 0 is cut into blocks
-// of this many elements, each with one float32 scale.
-constexpr int64_t kInt8Block = 128;
-
 // Same memory layout: equal strides on every dimension that has more than one element.
 inline bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
   for (int64_t d = 0; d < a.dim(); ++d) {
@@ -161,6 +157,19 @@ void dispatch_state_step(const StepCall& call, F&& f) {
       f(dtype_tag, Tag<float>{}, algo_tag);
     } else {
       TORCH_CHECK(false, "pnm_kernels: float32 state of float32 parameters is the plain step");
+    }
+  });
+}
+
+// For the int8 ops: calls f(Tag<param type>, Tag<Algo>) for float32, float16 and bfloat16
+// parameters (float64 ones keep float64 state; the optimizer never asks).
+template <class F>
+void dispatch_int8_step(const StepCall& call, F&& f) {
+  dispatch_step(call, [&](auto dtype_tag, auto algo_tag) {
+    if constexpr (std::is_same_v<typename decltype(dtype_tag)::type, double>) {
+      TORCH_CHECK(false, "pnm_kernels: float64 parameters keep float64 state");
+    } else {
+      f(dtype_tag, algo_tag);
     }
   });
 }

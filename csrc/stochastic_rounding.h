@@ -48,6 +48,17 @@ PNM_HOST_DEVICE uint32_t float_bits(float v) {
 #endif
 }
 
+// The float of a bit pattern.
+PNM_HOST_DEVICE float float_from_bits(uint32_t u) {
+#if defined(__CUDA_ARCH__)
+  return __uint_as_float(u);
+#else
+  float v;
+  memcpy(&v, &u, sizeof(v));
+  return v;
+#endif
+}
+
 // v's bits rounded to bfloat16 with 16 random bits (in the low half of `bits`): up with
 // probability equal to the fraction cut off. An infinity stays itself (its mantissa is
 // zero: no carry); NaN becomes 0x7FC0, as c10 makes it.

@@ -64,9 +64,9 @@ STATE_MODES = {
                       (torch.bfloat16,)),
 }
 STATE_DTYPE_PATHS = ("foreach", "fused", "emulated")
-# state_dtype=torch.int8 (pnm_kernels/quantization.py): the paths that keep it (the fused
-# CPU kernel; no CUDA kernel keeps it yet, so "emulated" is no path of it).
-INT8_PATHS = ("foreach", "fused")
+# state_dtype=torch.int8 (pnm_kernels/quantization.py): the paths that keep it (the fused CPU
+# kernel, the CUDA kernel emulated; not Triton yet).
+INT8_PATHS = ("foreach", "fused", "emulated")
 
 # Every fast path this machine runs, in the suite's order.
 FAST_PATHS = [p.name for p in PATHS if p.fast and (p.with_a_gpu or not HAS_CUDA)]

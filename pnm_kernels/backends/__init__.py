@@ -36,13 +36,11 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
     as measured (see above). `compressed`: the step runs in float32 with its own rounding
     (state_dtype, bf16_stochastic_round), which every backend but Triton does ("auto": fused,
-    else foreach). `int8`: int8 state, which the fused CPU kernel keeps, and on other
-    devices the foreach step ("auto": fused on the CPU, else foreach). Raises
+    else foreach). `int8`: int8 state, which the fused kernels (CPU and CUDA) and foreach
+    keep ("auto": fused, else foreach). Raises
     RuntimeError/ValueError saying why a requested backend cannot run."""
     if int8 and requested in ("auto", "fused", "triton"):
-        fused_reason = fused_unavailable_reason(device, dtype, True)
-        if fused_reason is None and device.type != "cpu":
-            fused_reason = "the fused kernels keep int8 state on the CPU only (yet)"
+        fused_reason = fused_unavailable_reason(device, dtype, True, int8=True)
         if requested == "auto":
             return "fused" if fused_reason is None else resolve_backend("foreach", device, dtype)
         if requested == "triton":

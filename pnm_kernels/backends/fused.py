@@ -11,8 +11,8 @@ from .base import Batch, HeldLists, Launch, Scaling, emulating, split_lr, step_l
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
 
-def unavailable_reason(device: torch.device, dtype: torch.dtype,
-                       own_state_dtype: bool = False) -> Optional[str]:
+def unavailable_reason(device: torch.device, dtype: torch.dtype, own_state_dtype: bool = False,
+                       int8: bool = False) -> Optional[str]:
     error = extension_error()
     if error is not None:
         return f"the compiled extension pnm_kernels._C could not be loaded ({error})"
@@ -21,7 +21,7 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype,
     if device.type == "cpu":
         return None
     if device.type == "cuda":
-        op = "pnm_state_step_" if own_state_dtype else "pnm_step_"
+        op = "pnm_int8_step_" if int8 else "pnm_state_step_" if own_state_dtype else "pnm_step_"
         if torch._C._dispatch_has_kernel_for_dispatch_key(f"pnm_kernels::{op}", "CUDA"):
             return None
         return ("pnm_kernels._C was built without CUDA kernels (no nvcc at build time, or "
@@ -94,8 +94,9 @@ class FusedBackend:
 
 
 def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
-    """int8 state (csrc/cpu_int8_kernel.cpp): the parameters with codes in one call, those
-    whose rows are too short for a block (bfloat16 state) in the state kernel's."""
+    """int8 state (csrc/cpu_int8_kernel.cpp, csrc/int8_block.h on CUDA or emulated): the
+    parameters with codes in one call, those whose rows are too short for a block (bfloat16
+    state) in the state kernel's."""
     coded = [i for i, scales in enumerate(batch.scales[0]) if scales is not None]
     rest = [i for i, scales in enumerate(batch.scales[0]) if scales is None]
     if rest:
@@ -110,15 +111,17 @@ def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
                   bf16_stochastic_round=hyper.bf16_stochastic_round)
     scales = [s for slot in part.scales[:hyper.num_buffers] for s in slot]  # buffer after buffer
     ops = torch.ops.pnm_kernels
+    emulate = emulating(part.params[0].device)
     if hyper.adaptive:
         max_exp_avg_sq = part.buffers[3] if hyper.amsgrad else []
-        ops.adapnm_int8_step_(part.params, part.grads, part.buffers[0], part.buffers[1],
-                              part.buffers[2], max_exp_avg_sq, part.steps, part.seeds,
-                              part.offsets, scales, beta2=hyper.beta2, eps=hyper.eps,
-                              amsgrad=hyper.amsgrad, **common)
+        op = ops.emulated_cuda_adapnm_int8_step_ if emulate else ops.adapnm_int8_step_
+        op(part.params, part.grads, part.buffers[0], part.buffers[1], part.buffers[2],
+           max_exp_avg_sq, part.steps, part.seeds, part.offsets, scales, beta2=hyper.beta2,
+           eps=hyper.eps, amsgrad=hyper.amsgrad, **common)
     else:
-        ops.pnm_int8_step_(part.params, part.grads, part.buffers[0], part.buffers[1],
-                           part.steps, part.seeds, part.offsets, scales, **common)
+        op = ops.emulated_cuda_pnm_int8_step_ if emulate else ops.pnm_int8_step_
+        op(part.params, part.grads, part.buffers[0], part.buffers[1], part.steps, part.seeds,
+           part.offsets, scales, **common)
 
 
 def _pick(batch: Batch, indices: list) -> Batch:
