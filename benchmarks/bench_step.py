@@ -85,7 +85,9 @@ def contenders(device, dtype=torch.float32, state_dtype=None):
     steps keeping their state in it too (those of our backends that can)."""
     out = []
     if state_dtype is not None:
-        for backend in ("fused", "foreach"):
+        # Triton on a GPU only: on the CPU its interpreter is a correctness tool.
+        ours = ("fused", "triton", "foreach") if device == "cuda" else ("fused", "foreach")
+        for backend in [b for b in ours if b in available_backends(device)]:
             suffix = state_label(state_dtype)
             out.append((f"PNM[{backend}{suffix}]", "PNM", lambda ps, b=backend: PNM(
                 ps, lr=1e-3, betas=(0.9, 1.0), backend=b, state_dtype=state_dtype)))

@@ -102,12 +102,12 @@ for dtype in (torch.float32, torch.bfloat16, torch.float64):
             odd = torch.randn(1001, device="cuda", dtype=dtype)[1:].requires_grad_()  # misaligned
             opt = opt_cls(ps + [odd], lr=1e-3, backend=backend)
             opt_state = opt_cls([p.detach().clone().requires_grad_() for p in ps + [odd]],
-                                lr=1e-3, backend="fused", state_dtype=torch.bfloat16,
+                                lr=1e-3, backend=backend, state_dtype=torch.bfloat16,
                                 bf16_stochastic_round=True) if dtype != torch.float64 else None
             # the int8 kernel (int8_block.h): rows ending in a short block, one-block rows
             rows = [torch.randn(s, device="cuda", dtype=dtype).requires_grad_()
                     for s in [(7, 300), (3, 129), (2, 128), (5, 3, 50)]]
-            opt_int8 = opt_cls(rows, lr=1e-3, backend="fused", state_dtype=torch.int8) \
+            opt_int8 = opt_cls(rows, lr=1e-3, backend=backend, state_dtype=torch.int8) \
                 if dtype != torch.float64 else None
             for _ in range(3):
                 for p in ps + [odd]:

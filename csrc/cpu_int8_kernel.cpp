@@ -70,12 +70,12 @@ struct Int8Work {
   bool param_stochastic;
 };
 
-// Block b of tensor w: decode, step, encode.
-template <typename T, class Algo>
-PNM_CPU_INLINE void int8_block(const Int8Work<T>& w, int64_t b, float gf) {
-  const int64_t row = b / w.blocks_per_row, in_row = b % w.blocks_per_row;
-  const int64_t begin = row * w.row_length + in_row * kBlock;
-  const int n = static_cast<int>(std::min<int64_t>(kBlock, w.row_length - in_row * kBlock));
+// Block b of tensor w, of n elements from `begin`: decode, step, encode. kFull: n is
+// kBlock, a constant, so that every loop over the block has a fixed trip count.
+template <typename T, class Algo, bool kFull>
+PNM_CPU_INLINE void int8_block_of(const Int8Work<T>& w, int64_t b, int64_t begin, int count,
+                                  float gf) {
+  const int n = kFull ? kBlock : count;
   float m[kBlock], m_other[kBlock], v[kBlock], v_max[kBlock], p[kBlock];
   uint32_t hash[kBlock], high[kBlock], low[kBlock];
   Signed::decode(static_cast<const int8_t*>(w.codes[0]) + begin, w.scales[0][b], n, m);
@@ -126,6 +126,18 @@ PNM_CPU_INLINE void int8_block(const Int8Work<T>& w, int64_t b, float gf) {
       w.scales[3][b] = Unsigned::encode(v_max, low, n,
                                         static_cast<uint8_t*>(w.codes[3]) + begin);
     }
+  }
+}
+
+template <typename T, class Algo>
+PNM_CPU_INLINE void int8_block(const Int8Work<T>& w, int64_t b, float gf) {
+  const int64_t row = b / w.blocks_per_row, in_row = b % w.blocks_per_row;
+  const int64_t begin = row * w.row_length + in_row * kBlock;
+  const int64_t n = std::min<int64_t>(kBlock, w.row_length - in_row * kBlock);
+  if (n == kBlock) {
+    int8_block_of<T, Algo, true>(w, b, begin, kBlock, gf);
+  } else {
+    int8_block_of<T, Algo, false>(w, b, begin, static_cast<int>(n), gf);
   }
 }
 

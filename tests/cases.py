@@ -63,10 +63,9 @@ STATE_MODES = {
     "bf16-state-sr": (dict(state_dtype=torch.bfloat16, bf16_stochastic_round=True),
                       (torch.bfloat16,)),
 }
-STATE_DTYPE_PATHS = ("foreach", "fused", "emulated")
-# state_dtype=torch.int8 (pnm_kernels/quantization.py): the paths that keep it (the fused CPU
-# kernel, the CUDA kernel emulated; not Triton yet).
-INT8_PATHS = ("foreach", "fused", "emulated")
+STATE_DTYPE_PATHS = ("foreach", "fused", "emulated", "triton")
+# state_dtype=torch.int8 (pnm_kernels/quantization.py): the paths that keep it.
+INT8_PATHS = ("foreach", "fused", "emulated", "triton")
 
 # Every fast path this machine runs, in the suite's order.
 FAST_PATHS = [p.name for p in PATHS if p.fast and (p.with_a_gpu or not HAS_CUDA)]

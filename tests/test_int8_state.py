@@ -241,14 +241,23 @@ def test_a_checkpoint_whose_codes_and_scales_do_not_fit_is_refused_naming_them(e
     assert all(torch.equal(p, b) for p, b in zip(fresh, before))
 
 
-@pytest.mark.parametrize("backend", ["triton"])
-def test_a_backend_without_int8_state_says_so_before_any_step(backend):
+def test_every_kernel_cuts_rows_into_blocks_of_the_references_length():
+    pytest.importorskip("triton")
+    from pnm_kernels.backends import triton_state_kernels
+
+    assert triton_state_kernels.INT8_BLOCK.value == BLOCK == 128  # csrc: kInt8Block
+
+
+def test_a_backend_that_cannot_run_says_so_before_any_step(monkeypatch):
+    """Triton on CPU tensors without the interpreter: refused naming int8 state and why."""
+    monkeypatch.delenv("TRITON_INTERPRET")
     p = torch.nn.Parameter(torch.randn(4, 128))
-    opt = PNM([p], backend=backend, state_dtype=torch.int8)
+    opt = PNM([p], backend="triton", state_dtype=torch.int8)
     p.grad = torch.ones_like(p)
-    with pytest.raises(RuntimeError, match=rf"backend='{backend}'.*int8"):
+    before = p.detach().clone()
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot keep int8 state.*CUDA"):
         opt.step()
-    assert not opt.state
+    assert torch.equal(p, before) and not opt.state
 
 
 @pytest.mark.parametrize("dtype,culprit", [(torch.float64, "float64"), (torch.complex64, "complex")])

@@ -393,14 +393,17 @@ def test_a_parameter_that_cannot_keep_such_state_is_named_before_any_step(dtype,
     assert torch.equal(good, before) and not opt.state
 
 
-def test_a_backend_without_such_state_says_so_before_any_step():
+def test_a_backend_that_cannot_run_says_so_before_any_step(monkeypatch):
+    """Triton on CPU tensors without the interpreter: refused naming the state and why."""
+    monkeypatch.delenv("TRITON_INTERPRET")
     p = torch.nn.Parameter(torch.randn(4))
     opt = PNM([p], backend="triton", state_dtype=torch.bfloat16)
     p.grad = torch.ones(4)
     before = p.detach().clone()
-    with pytest.raises(RuntimeError, match=r"backend='triton'.*state_dtype"):
+    with pytest.raises(RuntimeError, match=r"backend='triton' cannot keep state in a dtype "
+                                           r"of its own.*CUDA"):
         opt.step()
-    assert torch.equal(p, before)
+    assert torch.equal(p, before) and not opt.state
 
 
 @pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")

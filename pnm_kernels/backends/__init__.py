@@ -35,28 +35,24 @@ def resolve_backend(requested: str, device: torch.device, dtype: torch.dtype,
                     compressed: bool = False, int8: bool = False) -> str:
     """The backend that runs a batch: the one asked for, or for "auto" the fastest available
     as measured (see above). `compressed`: the step runs in float32 with its own rounding
-    (state_dtype, bf16_stochastic_round), which every backend but Triton does ("auto": fused,
-    else foreach). `int8`: int8 state, which the fused kernels (CPU and CUDA) and foreach
-    keep ("auto": fused, else foreach). Raises
-    RuntimeError/ValueError saying why a requested backend cannot run."""
-    if int8 and requested in ("auto", "fused", "triton"):
-        fused_reason = fused_unavailable_reason(device, dtype, True, int8=True)
+    (state_dtype, bf16_stochastic_round); `int8`: int8 state. Every backend keeps both;
+    "auto" picks as for other state. Raises RuntimeError/ValueError saying why a requested
+    backend cannot run."""
+    if (compressed or int8) and requested in ("auto", "fused", "triton"):
+        fused_reason = fused_unavailable_reason(device, dtype, True, int8=int8)
         if requested == "auto":
-            return "fused" if fused_reason is None else resolve_backend("foreach", device, dtype)
-        if requested == "triton":
-            raise RuntimeError("backend='triton' does not keep int8 state "
-                               "(state_dtype=torch.int8) yet: use backend='auto' or 'foreach'")
-        if fused_reason is not None:
-            raise RuntimeError(f"backend='fused' cannot keep int8 state (state_dtype=torch.int8) "
-                               f"for {dtype} tensors on {device}: {fused_reason}; use "
-                               "backend='auto' or 'foreach'")
-        return "fused"
-    if compressed and requested in ("auto", "triton"):
-        if requested == "triton":
-            raise RuntimeError("backend='triton' does not keep the state in a dtype other than "
-                               "the parameter's (state_dtype) yet: use backend='auto', 'fused' "
-                               "(CPU) or 'foreach'")
-        requested = "fused" if fused_unavailable_reason(device, dtype, True) is None else "foreach"
+            if fused_reason is None:
+                return "fused"
+            if device.type == "cuda" and triton_unavailable_reason(device, dtype) is None:
+                return "triton"
+            return resolve_backend("foreach", device, dtype)
+        reason = fused_reason if requested == "fused" else triton_unavailable_reason(device, dtype)
+        if reason is not None:
+            what = "int8 state (state_dtype=torch.int8)" if int8 else \
+                "state in a dtype of its own (state_dtype, bf16_stochastic_round)"
+            raise RuntimeError(f"backend={requested!r} cannot keep {what} for {dtype} tensors "
+                               f"on {device}: {reason}; use backend='auto' or 'foreach'")
+        return requested
     if requested in ("reference", "foreach"):
         if dtype not in REFERENCE_DTYPES:
             raise ValueError(f"unsupported parameter dtype {dtype}")

@@ -152,3 +152,22 @@ def held_lists_ok(batch: Batch) -> bool:
     device = batch.params[0].device
     return (all(fits(b, p) for buffers in batch.buffers for p, b in zip(batch.params, buffers))
             and all(counter_fits(s, device) for s in batch.steps))
+
+
+def split_int8(batch: Batch) -> tuple:
+    """An int8-state batch as (the parameters with codes, those whose rows are too short for
+    a block and keep bfloat16 state), each a Batch or None where there are none."""
+    coded = [i for i, scales in enumerate(batch.scales[0]) if scales is not None]
+    rest = [i for i, scales in enumerate(batch.scales[0]) if scales is None]
+    return (_pick(batch, coded) if coded else None), (_pick(batch, rest) if rest else None)
+
+
+def _pick(batch: Batch, indices: list) -> Batch:
+    """The batch of these parameters (all of them: the batch itself)."""
+    if len(indices) == len(batch.params):
+        return batch
+    take = lambda items: [items[i] for i in indices]  # noqa: E731
+    return Batch(params=take(batch.params), grads=take(batch.grads),
+                 buffers=[take(b) for b in batch.buffers], steps=take(batch.steps),
+                 seeds=take(batch.seeds), offsets=take(batch.offsets),
+                 scales=[take(s) for s in batch.scales])

@@ -6,7 +6,8 @@ import torch
 
 from .._ops import extension_error
 from ..hyper import Hyper
-from .base import Batch, HeldLists, Launch, Scaling, emulating, split_lr, step_lists
+from .base import (Batch, HeldLists, Launch, Scaling, emulating, split_int8, split_lr,
+                   step_lists)
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -97,13 +98,11 @@ def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
     """int8 state (csrc/cpu_int8_kernel.cpp, csrc/int8_block.h on CUDA or emulated): the
     parameters with codes in one call, those whose rows are too short for a block (bfloat16
     state) in the state kernel's."""
-    coded = [i for i, scales in enumerate(batch.scales[0]) if scales is not None]
-    rest = [i for i, scales in enumerate(batch.scales[0]) if scales is None]
-    if rest:
-        _state_step(_pick(batch, rest), hyper, scaling)
-    if not coded:
+    part, rest = split_int8(batch)
+    if rest is not None:
+        _state_step(rest, hyper, scaling)
+    if part is None:
         return
-    part = _pick(batch, coded)
     lr, lr_tensor = split_lr(hyper.lr, part.params[0].device, keep_float64=True)
     common = dict(lr=lr, beta1=hyper.beta1, beta0=hyper.beta0, weight_decay=hyper.weight_decay,
                   decoupled=hyper.decoupled, maximize=hyper.maximize, lr_tensor=lr_tensor,
@@ -122,17 +121,6 @@ def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         op = ops.emulated_cuda_pnm_int8_step_ if emulate else ops.pnm_int8_step_
         op(part.params, part.grads, part.buffers[0], part.buffers[1], part.steps, part.seeds,
            part.offsets, scales, **common)
-
-
-def _pick(batch: Batch, indices: list) -> Batch:
-    """The batch of these parameters (all of them: the batch itself)."""
-    if len(indices) == len(batch.params):
-        return batch
-    take = lambda items: [items[i] for i in indices]  # noqa: E731
-    return Batch(params=take(batch.params), grads=take(batch.grads),
-                 buffers=[take(b) for b in batch.buffers], steps=take(batch.steps),
-                 seeds=take(batch.seeds), offsets=take(batch.offsets),
-                 scales=[take(s) for s in batch.scales])
 
 
 def _state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:

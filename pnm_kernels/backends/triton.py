@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 
 from ..hyper import Hyper, coefficients
+from . import triton_state
 from .base import Batch, HeldLists, Launch, Scaling, capturing, new_blocks_done, split_lr
 from .base import step_lists
 
@@ -113,6 +114,12 @@ class TritonBackend:
 
         params = batch.params
         if not params:
+            return
+        if batch.scales:  # int8 state
+            triton_state.int8_step(batch, hyper, scaling)
+            return
+        if hyper.in_float32(params[0].dtype):  # state in a dtype of its own
+            triton_state.state_step(batch, hyper, scaling)
             return
         device, dtype = params[0].device, params[0].dtype
         needed = hyper.num_buffers

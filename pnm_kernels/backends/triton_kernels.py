@@ -30,20 +30,12 @@ def _store(ptr, x, mask, DTYPE: tl.constexpr, INTERPRETED: tl.constexpr):
 
 
 @triton.jit
-def _update(p_ptr, g_ptr, pos_ptr, neg_ptr, odd, m_ptr, v_ptr, v_max_ptr, offs, mask,
-            grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef, neg_coef,
-            inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt, DTYPE: tl.constexpr,
-            ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr,
-            INTERPRETED: tl.constexpr):
-    """One block of elements (docs/design.md §1); mask is None for a whole aligned block. Both
-    momentum buffers are loaded by their fixed addresses and chosen by parity afterwards, so
-    no load waits for the step counter; only the store goes to m_ptr (the one updated)."""
-    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
-    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
-    pos_m = tl.load(pos_ptr + offs, mask=mask).to(tl.float32)
-    neg_m = tl.load(neg_ptr + offs, mask=mask).to(tl.float32)
-    m = tl.where(odd, pos_m, neg_m)
-    m_other = tl.where(odd, neg_m, pos_m)
+def _element_math(p, g, m, m_other, v, v_max, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2,
+                  pos_coef, neg_coef, inv_noise_norm, eps, weight_decay, neg_step_size,
+                  bc2_sqrt, ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr,
+                  DECOUPLED: tl.constexpr):
+    """The update of float32 values (docs/design.md §1): the new p, m, v and v_max (v and
+    v_max as given unless ADAPTIVE / AMSGRAD). Also triton_state_kernels.py's."""
     if DECOUPLED:
         p = p * decay
     else:
@@ -51,19 +43,63 @@ def _update(p_ptr, g_ptr, pos_ptr, neg_ptr, odd, m_ptr, v_ptr, v_max_ptr, offs, 
     m = b1_sq * m + one_minus_b1_sq * g
     pn_momentum = (pos_coef * m + neg_coef * m_other) * inv_noise_norm
     if ADAPTIVE:
-        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
         v = b2 * v + one_minus_b2 * (g * g)
         second_moment = v
         if AMSGRAD:
-            v_max = tl.load(v_max_ptr + offs, mask=mask).to(tl.float32)
             v_max = tl.where((v_max != v_max) | (v_max > v), v_max, v)  # NaN-propagating
-            _store(v_max_ptr + offs, v_max, mask, DTYPE, INTERPRETED)
             second_moment = v_max
-        _store(v_ptr + offs, v, mask, DTYPE, INTERPRETED)
         denom = tl.sqrt(second_moment) / bc2_sqrt + eps
         p = p + neg_step_size * (pn_momentum / denom)
     else:
         p = p + neg_step_size * pn_momentum
+    return p, m, v, v_max
+
+
+@triton.jit
+def _tensor_constants(step, lr, log_b1, log_b2, weight_decay, ADAPTIVE: tl.constexpr):
+    """A tensor's constants at this step: the decay, -lr (over AdaPNM's first bias
+    correction) and the square root of the second bias correction."""
+    bc2_sqrt = 1.0
+    neg_step_size = -lr
+    if ADAPTIVE:
+        # Bias corrections in float64: 1 - b2^t loses digits in float32 when b2 is near 1.
+        step64 = step.to(tl.float64)
+        bc1 = 1.0 - tl.exp(step64 * log_b1)
+        bc2_sqrt = tl.sqrt(1.0 - tl.exp(step64 * log_b2)).to(tl.float32)
+        neg_step_size = (-lr / bc1).to(tl.float32)  # float64: bc1 is float64
+    decay = 1.0 - lr * weight_decay
+    return decay, neg_step_size, bc2_sqrt
+
+
+@triton.jit
+def _update(p_ptr, g_ptr, pos_ptr, neg_ptr, odd, m_ptr, v_ptr, v_max_ptr, offs, mask,
+            grad_factor, decay, b1_sq, one_minus_b1_sq, b2, one_minus_b2, pos_coef, neg_coef,
+            inv_noise_norm, eps, weight_decay, neg_step_size, bc2_sqrt, DTYPE: tl.constexpr,
+            ADAPTIVE: tl.constexpr, AMSGRAD: tl.constexpr, DECOUPLED: tl.constexpr,
+            INTERPRETED: tl.constexpr):
+    """One block of elements; mask is None for a whole aligned block. Both momentum buffers
+    are loaded by their fixed addresses and chosen by parity afterwards, so no load waits for
+    the step counter; only the store goes to m_ptr (the one updated)."""
+    p = tl.load(p_ptr + offs, mask=mask).to(tl.float32)
+    g = tl.load(g_ptr + offs, mask=mask).to(tl.float32) * grad_factor
+    pos_m = tl.load(pos_ptr + offs, mask=mask).to(tl.float32)
+    neg_m = tl.load(neg_ptr + offs, mask=mask).to(tl.float32)
+    m = tl.where(odd, pos_m, neg_m)
+    m_other = tl.where(odd, neg_m, pos_m)
+    v = p  # placeholders unless ADAPTIVE / AMSGRAD
+    v_max = p
+    if ADAPTIVE:
+        v = tl.load(v_ptr + offs, mask=mask).to(tl.float32)
+        if AMSGRAD:
+            v_max = tl.load(v_max_ptr + offs, mask=mask).to(tl.float32)
+    p, m, v, v_max = _element_math(p, g, m, m_other, v, v_max, decay, b1_sq, one_minus_b1_sq,
+                                   b2, one_minus_b2, pos_coef, neg_coef, inv_noise_norm, eps,
+                                   weight_decay, neg_step_size, bc2_sqrt, ADAPTIVE, AMSGRAD,
+                                   DECOUPLED)
+    if ADAPTIVE:
+        if AMSGRAD:
+            _store(v_max_ptr + offs, v_max, mask, DTYPE, INTERPRETED)
+        _store(v_ptr + offs, v, mask, DTYPE, INTERPRETED)
     _store(m_ptr + offs, m, mask, DTYPE, INTERPRETED)
     _store(p_ptr + offs, p, mask, DTYPE, INTERPRETED)
 
@@ -102,18 +138,12 @@ def _step_kernel(ptr_table, numels, step_table, chunk_tensor, chunk_start, n_ten
     m_ptr = tl.where(odd, pos, neg).to(tl.pointer_type(DTYPE))  # the buffer this step updates
     v_ptr = p_ptr  # placeholders, never read unless ADAPTIVE / AMSGRAD
     v_max_ptr = p_ptr
-    bc2_sqrt = 1.0
-    neg_step_size = -lr
     if ADAPTIVE:
         v_ptr = tl.load(ptr_table + 4 * n_tensors + t).to(tl.pointer_type(DTYPE))
-        # Bias corrections in float64: 1 - b2^t loses digits in float32 when b2 is near 1.
-        step64 = step.to(tl.float64)
-        bc1 = 1.0 - tl.exp(step64 * log_b1)
-        bc2_sqrt = tl.sqrt(1.0 - tl.exp(step64 * log_b2)).to(tl.float32)
-        neg_step_size = (-lr / bc1).to(tl.float32)  # float64: bc1 is float64
         if AMSGRAD:
             v_max_ptr = tl.load(ptr_table + 5 * n_tensors + t).to(tl.pointer_type(DTYPE))
-    decay = 1.0 - lr * weight_decay
+    decay, neg_step_size, bc2_sqrt = _tensor_constants(step, lr, log_b1, log_b2, weight_decay,
+                                                       ADAPTIVE)
 
     if ALIGNED and start + BLOCK * ITERS <= numel:
         # A whole chunk of 16-byte-aligned tensors: unmasked, so loads are 128-bit wide.
