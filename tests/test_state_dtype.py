@@ -80,14 +80,17 @@ def test_state_in_its_own_dtype_steps_as_the_reference(name, path, dtype, mode, 
 @pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_the_fused_kernel_gives_the_same_bits_on_every_instruction_set(name, dtype):
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+def test_the_fused_kernel_gives_the_same_bits_on_every_instruction_set(name, dtype, state_dtype):
     runs = []
     try:
         for isa in _ops.cpu_isas():
             _ops.set_cpu_isa(isa)
-            params = [torch.nn.Parameter(torch.randn(70000, generator=torch.Generator()
-                                                     .manual_seed(0)).to(dtype))] + _params(dtype)
-            opt = OPTIMIZERS[name](params, lr=1e-2, backend="fused", state_dtype=torch.bfloat16)
+            gen = torch.Generator().manual_seed(0)
+            params = [torch.nn.Parameter(torch.randn(70000, generator=gen).to(dtype)),
+                      torch.nn.Parameter(torch.randn(300, 200, generator=gen).to(dtype))]
+            params += _params(dtype)
+            opt = OPTIMIZERS[name](params, lr=1e-2, backend="fused", state_dtype=state_dtype)
             _run(opt, params, 5)
             runs.append((opt, params))
     finally:
