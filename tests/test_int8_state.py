@@ -170,6 +170,28 @@ def test_a_saved_int8_state_resumes_bitwise(name, param_dtype):
     assert_same_bits(opt, params, opt2, resumed)
 
 
+@parametrize(INT8_PATHS, args=("name", "path"))
+def test_an_int8_checkpoint_resumes_across_backends(name, path):
+    """A state_dict taken on one backend resumes on another: the reference's checkpoint on
+    this path, and this path's in the reference, each then stepping as the other does (to
+    rounding; foreach bitwise)."""
+    cls = OPTIMIZERS[name]
+    for source, target in (("reference", path), (path, "reference")):
+        params = _params(torch.float32)
+        opt = cls(params, lr=1e-2, backend=source, state_dtype=torch.int8, weight_decay=0.1)
+        _run(opt, params, 4)
+        saved, saved_params = round_trip(opt.state_dict()), [p.detach().clone() for p in params]
+        _run(opt, params, 4, first=4)
+        resumed = [torch.nn.Parameter(p) for p in saved_params]
+        opt2 = cls(resumed, lr=1e-2, backend=target, state_dtype=torch.int8, weight_decay=0.1)
+        opt2.load_state_dict(saved)
+        _run(opt2, resumed, 4, first=4)
+        if path == "foreach":
+            assert_same_bits(opt, params, opt2, resumed)
+        else:
+            _assert_close_codes(opt2, resumed, opt, params)
+
+
 @pytest.mark.parametrize("other", [torch.float32, torch.bfloat16])
 def test_state_converts_to_int8_codes_rounded_to_nearest_and_back_decoded(other):
     """ensure_state, as a step meets a buffer of another dtype: float values become the
