@@ -9,20 +9,26 @@ from pnm_kernels._ops import cuda_chunk_size
 pytestmark = requires_cuda
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.int8],
+                         ids=["own-dtype", "bf16-state", "int8-state"])
 @pytest.mark.parametrize("set_to_none", [False, True])
 @pytest.mark.parametrize("backend", ["fused", "triton"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_to_none):
+def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_to_none,
+                                                             state_dtype):
     """set_to_none=True is torch's own recipe (gradients allocated inside the capture); the
-    Triton tables would need a copy inside the capture there and it refuses, saying so."""
+    Triton tables would need a copy inside the capture there and it refuses, saying so.
+    Compressed state too: its random bits come from the counters on the device. The first
+    layer's rows hold 128 elements (int8 codes), the second's 64 (bfloat16 state)."""
     if backend == "triton" and set_to_none:
         pytest.skip("Triton: gradients must persist across a capture (see triton_kernels)")
     torch.manual_seed(0)
-    models = [torch.nn.Sequential(torch.nn.Linear(64, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
+    models = [torch.nn.Sequential(torch.nn.Linear(128, 64), torch.nn.ReLU(), torch.nn.Linear(64, 8)).cuda()
               for _ in range(2)]
     models[1].load_state_dict(models[0].state_dict())
-    x, y = torch.randn(32, 64, device="cuda"), torch.randn(32, 8, device="cuda")
-    opts = [OPTIMIZERS[name](m.parameters(), lr=torch.tensor(1e-2, device="cuda"), backend=backend)
+    x, y = torch.randn(32, 128, device="cuda"), torch.randn(32, 8, device="cuda")
+    opts = [OPTIMIZERS[name](m.parameters(), lr=torch.tensor(1e-2, device="cuda"), backend=backend,
+                             state_dtype=state_dtype)
             for m in models]
     scheds = [torch.optim.lr_scheduler.StepLR(o, step_size=2, gamma=0.5) for o in opts]
 

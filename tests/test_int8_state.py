@@ -371,16 +371,18 @@ def test_the_cuda_int8_kernel_gives_the_cpu_kernels_bits(name, dtype, options, m
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU")
+@pytest.mark.parametrize("backend", ["fused", "triton"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_the_cuda_int8_kernel_on_a_gpu_steps_as_the_reference(name, dtype):
-    """On a GPU, "auto" picks the CUDA int8 kernel, which steps as the reference to rounding
-    (its element maths may contract into FMAs; a code's rounding itself never does)."""
+def test_the_gpu_kernels_step_int8_state_as_the_reference(name, dtype, backend):
+    """On a GPU, "auto" picks the CUDA int8 kernel; it and the Triton kernel step as the
+    reference to rounding (the element maths may differ by a rounding; a code's rounding
+    decision never contracts into an FMA)."""
     assert resolve_backend("auto", torch.device("cuda"), dtype, int8=True) == "fused"
     runs = []
-    for backend in ("reference", "auto"):
+    for b in ("reference", backend):
         params = [torch.nn.Parameter(p.cuda()) for p in _params(dtype)]
-        opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=torch.int8,
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=b, state_dtype=torch.int8,
                                weight_decay=0.1)
         _run(opt, params, STEPS)
         runs.append((opt, params))
