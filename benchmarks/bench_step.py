@@ -52,8 +52,14 @@ PEERS = {"PNM": "torch.SGD-momentum[fused]", "AdaPNM": "torch.Adam-amsgrad[fused
 
 
 STATE_NAMES = {"bfloat16": "bf16 state", "float32": "fp32 state", "int8": "int8 state"}
-# torchao's 8-bit AdamW (no AMSGrad): beside int8 state, in AdaPNM's panel.
+# The low-bit peers beside int8 state, where they install (never dependencies): torchao's
+# 8-bit AdamW and bitsandbytes' 8-bit Adam (no AMSGrad; AdaPNM's panel), bitsandbytes'
+# 8-bit SGD with momentum (PNM's panel). Each keeps 8-bit moments with a float32 scale per
+# 256 elements.
 TORCHAO_ADAMW8BIT = "torchao.AdamW8bit"
+BNB_ADAM8BIT = "bitsandbytes.Adam8bit"
+BNB_SGD8BIT = "bitsandbytes.SGD8bit"
+EIGHT_BIT_MOMENTS = {TORCHAO_ADAMW8BIT: 2, BNB_ADAM8BIT: 2, BNB_SGD8BIT: 1}
 
 
 def state_label(state_dtype):
@@ -68,8 +74,8 @@ def bytes_per_element(label, family, dtype):
     in the parameter's dtype or, for our contenders with their own state dtype, in that (an
     int8 code with its share of its block's float32 scale)."""
     size = torch.tensor([], dtype=dtype).element_size()
-    if label == TORCHAO_ADAMW8BIT:  # two 8-bit moments, a float32 scale per 256
-        return 3 * size + 4 * (1 + 4 / 256)
+    if label in EIGHT_BIT_MOMENTS:  # each moment read and written, a float32 scale per 256
+        return 3 * size + 2 * EIGHT_BIT_MOMENTS[label] * (1 + 4 / 256)
     for state_dtype, name in STATE_NAMES.items():
         if name in label:
             state_accesses = {"PNM": 3, "AdaPNM": 7}[family]
@@ -115,6 +121,14 @@ def contenders(device, dtype=torch.float32, state_dtype=None):
         try:  # the low-bit peer, where it installs (never a dependency)
             from torchao.optim import AdamW8bit
             out.append((TORCHAO_ADAMW8BIT, "AdaPNM", lambda ps: AdamW8bit(ps, lr=1e-3)))
+        except ImportError:
+            pass
+        try:
+            import bitsandbytes
+            out.append((BNB_ADAM8BIT, "AdaPNM",
+                        lambda ps: bitsandbytes.optim.Adam8bit(ps, lr=1e-3)))
+            out.append((BNB_SGD8BIT, "PNM",
+                        lambda ps: bitsandbytes.optim.SGD8bit(ps, lr=1e-3, momentum=0.9)))
         except ImportError:
             pass
     try:  # an optional peer, never a dependency
@@ -370,6 +384,9 @@ KINDS = [("fused", "tab:red", "o", "pnm_kernels fused"),
          ("foreach,fp32 state", "peru", "s", "pnm_kernels foreach, float32 state"),
          ("fused,int8 state", "darkred", "v", "pnm_kernels fused, int8 state"),
          ("foreach,int8 state", "peru", "v", "pnm_kernels foreach, int8 state"),
+         ("triton,bf16 state", "indigo", "*", "pnm_kernels Triton, bfloat16 state"),
+         ("triton,fp32 state", "indigo", "*", "pnm_kernels Triton, float32 state"),
+         ("triton,int8 state", "indigo", "v", "pnm_kernels Triton, int8 state"),
          ("triton", "tab:purple", "D", "pnm_kernels Triton"),
          ("foreach", "tab:orange", "s", "pnm_kernels foreach"),
          ("reference", "tab:brown", "v", "pnm_kernels reference (per parameter)"),
@@ -377,6 +394,7 @@ KINDS = [("fused", "tab:red", "o", "pnm_kernels fused"),
          ("user foreach+torch.compile", "tab:pink", "P", "PNM/AdaPNM in foreach ops + torch.compile"),
          ("pytorch_optimizer", "tab:cyan", "^", "pytorch_optimizer"),
          ("torchao", "tab:gray", "v", "torchao AdamW8bit (AdaPNM panel)"),
+         ("bitsandbytes", "0.3", "^", "bitsandbytes Adam8bit / SGD8bit"),
          ("torch foreach", "tab:blue", "<", "torch foreach"),
          ("torch foreach+torch.compile", "tab:green", ">", "torch foreach + torch.compile"),
          ("torch AdamW fused", "tab:gray", "h", "torch AdamW fused (AdaPNM panel)"),
@@ -389,6 +407,8 @@ def kind_of(label):
         return "pytorch_optimizer"
     if label == TORCHAO_ADAMW8BIT:
         return "torchao"
+    if label.startswith("bitsandbytes."):
+        return "bitsandbytes"
     name, _, how = label.rstrip("]").partition("[")
     if name.startswith("torch.AdamW"):
         return f"torch AdamW {how}"

@@ -89,14 +89,18 @@ def test_the_figure_gives_every_contender_a_style_and_draws_a_gpu_record(tmp_pat
     labels = [label for label, _, _ in bench_step.contenders("cuda", torch.float32)]
     labels += ["PNM[triton]", "AdaPNM[triton]", "pytorch_optimizer.PNM", "torch.AdamW-amsgrad[fused]",
                "torch.AdamW-amsgrad[foreach]", "PNM[reference+torch.compile]",
-               "AdaPNM[user foreach+torch.compile]", "torch.Adam-amsgrad[foreach+torch.compile]"]
+               "AdaPNM[user foreach+torch.compile]", "torch.Adam-amsgrad[foreach+torch.compile]",
+               "PNM[triton,int8 state]", "AdaPNM[triton,bf16 state]", "torchao.AdamW8bit",
+               "bitsandbytes.Adam8bit", "bitsandbytes.SGD8bit"]
     peers = set(bench_step.PEERS.values())
     assert {bench_step.kind_of(label) for label in labels if label not in peers} <= kinds
     results = []
     for name, numel in (("tiny2000", 32000), ("flat64M", 1 << 26)):
         for i, label in enumerate(labels):
             family = label.split("[")[0].removeprefix("torch.").removeprefix("pytorch_optimizer.")
-            family = {"AdamW-amsgrad": "Adam-amsgrad"}.get(family, family)
+            family = {"AdamW-amsgrad": "Adam-amsgrad", "torchao.AdamW8bit": "AdaPNM",
+                      "bitsandbytes.Adam8bit": "AdaPNM",
+                      "bitsandbytes.SGD8bit": "PNM"}.get(family, family)
             results.append(dict(set=name, label=label, family=family, numel=numel, tensors=2000,
                                 ms=1.0, gbps=1.0, time_vs_torch_fused=0.2 + 0.3 * i))
     info = dict(device="cuda", gpu="Some GPU", cpu="x", threads=8, dtype="bfloat16",
