@@ -94,3 +94,30 @@ def test_unscale_then_clip_then_step_matches_training_without_scaling(path, name
             scaler.update()
         runs.append((opt, list(model.parameters())))
     assert_states_close(*runs[0], *runs[1], rtol=0, atol=0)
+
+
+@cases.parametrize(cases.INT8_PATHS)
+def test_compressed_state_unscales_and_skips_as_the_reference(path, name):
+    """bfloat16 and int8 state on every path that keeps them: a scaled gradient steps as the
+    reference's unscaled one, and a found inf changes nothing (codes, scales, seeds,
+    counters)."""
+    for state_dtype in (torch.bfloat16, torch.int8):
+        params = make_params([(3, 200), (40,)])
+        plain = clone_params(params)
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=path, state_dtype=state_dtype)
+        ref = OPTIMIZERS[name](plain, lr=1e-2, backend="reference", state_dtype=state_dtype)
+        for t in range(4):
+            train(ref, plain, 1, start=t)
+            for p, g in zip(params, grads_for_step(params, t)):
+                p.grad = g * 1024
+            opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
+            opt.step()
+        assert_states_close(opt, params, ref, plain)
+        before = copy.deepcopy(opt.state_dict())
+        values = [p.detach().clone() for p in params]
+        opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(1.0)
+        opt.step()
+        assert all(torch.equal(p, v) for p, v in zip(params, values))
+        for k, st in before["state"].items():
+            for key, value in st.items():
+                assert torch.equal(opt.state_dict()["state"][k][key], value), key
