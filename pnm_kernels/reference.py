@@ -16,7 +16,8 @@ import math
 import torch
 
 from . import quantization
-from .rounding import HASH_SHIFT, PARAM_SHIFT, element_index, random_bits, store_stochastic
+from .rounding import (HASH_SHIFT, PARAM_SHIFT, element_index, random_bits,
+                       round_bf16_stochastic, store_stochastic)
 
 
 def noise_norm(beta0: float) -> float:
@@ -76,8 +77,11 @@ def _in_float32(step, param, grad, state, names, offset, bf16_stochastic_round, 
         elif work[name] is not state[name]:
             state[name].copy_(work[name])
     if bf16_stochastic_round and param.dtype == torch.bfloat16:
-        store_stochastic(param, param32, seed=int(state["seed"].item()), step=t,
-                         shift=PARAM_SHIFT, offset=offset)
+        # The parameter's bits are indexed as its first buffer's elements: in its own layout
+        # beside bfloat16 or float32 state, row-major beside int8 codes (their blocks' order).
+        bits = random_bits(int(state["seed"].item()), t, PARAM_SHIFT,
+                           element_index(state[names[0]], offset))
+        param.copy_(round_bf16_stochastic(param32, bits))
     elif param32 is not param:
         param.copy_(param32)
 

@@ -68,9 +68,22 @@ def mix32(x: torch.Tensor) -> torch.Tensor:
 def element_index(buffer: torch.Tensor, offset: int = 0) -> torch.Tensor:
     """Each element's index in the whole parameter, as an int64 tensor shaped like the
     buffer: its position in the buffer's dense memory order (row-major for a contiguous
-    tensor) plus `offset`, the elements before this shard (FSDP2's dim-0 shards)."""
+    tensor; for one with gaps or overlaps, which the kernels step as a dense copy, row-major)
+    plus `offset`, the elements before this shard (FSDP2's dim-0 shards)."""
     count = torch.arange(buffer.numel(), dtype=torch.int64, device=buffer.device)
+    if not _dense(buffer):
+        return count.reshape(buffer.shape) + offset
     return torch.as_strided(count, buffer.shape, buffer.stride()) + offset
+
+
+def _dense(t: torch.Tensor) -> bool:
+    """Whether t's elements fill its memory without gaps or overlaps (in some dim order)."""
+    expected = 1
+    for d in sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride):
+        if t.stride(d) != expected:
+            return False
+        expected *= t.shape[d]
+    return True
 
 
 def element_hash(seed, step, index: torch.Tensor) -> torch.Tensor:

@@ -443,18 +443,29 @@ def test_bad_int8_op_arguments_raise_naming_the_culprit_and_write_nothing(case, 
         assert torch.equal(t, b)
 
 
-@needs_extension
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_a_transposed_parameter_and_a_shard_offset_step_as_the_reference(name):
-    """A parameter laid out column-major (copied row-major for the kernel and back) and a
-    state seeded by hand: the fused kernel against the reference."""
+# Parameters laid out otherwise than row-major: the kernels step a row-major copy (their rows
+# are the codes' blocks), and every random bit, the parameter's too, is indexed row-major.
+LAYOUTS = {"transposed": lambda x: x.t().contiguous().t(),  # dense, column-major
+           "gapped": lambda x: torch.cat([x, x], dim=1)[:, ::2]}  # every other element
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@parametrize(INT8_PATHS, args=("name", "path"))
+def test_a_parameter_laid_out_otherwise_steps_as_the_reference(name, path, layout):
+    """bfloat16 parameters rounded stochastically, in a layout of their own, a seed set by
+    hand: every int8 path against the reference."""
     runs = []
-    for backend in ("reference", "fused"):
-        params = [torch.nn.Parameter(torch.randn(300, 6, generator=torch.Generator()
-                                                 .manual_seed(1)).t())]
-        opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=torch.int8)
+    for backend in ("reference", path):
+        x = torch.randn(6, 300, generator=torch.Generator().manual_seed(1)).bfloat16()
+        params = [torch.nn.Parameter(LAYOUTS[layout](x))]
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=torch.int8,
+                               bf16_stochastic_round=True)
         _run(opt, params, 2)
         opt.state[params[0]]["seed"].fill_(2**40 + 7)
-        _run(opt, params, 4, first=2)
+        _run(opt, params, 2, first=2)
         runs.append((opt, params))
-    _assert_close_codes(*runs[1], *runs[0])
+    assert runs[1][1][0].stride() == runs[0][1][0].stride() != (300, 1)
+    if path == "foreach":
+        assert_same_bits(*runs[0], *runs[1])
+    else:
+        _assert_close_codes(*runs[1], *runs[0])
