@@ -12,19 +12,26 @@ from conftest import (DEVICE, OPTIMIZERS, assert_states_close, clone_params, gra
 PATHS = FAST_PATHS + ["reference"]
 
 
-@cases.parametrize(PATHS)
-def test_grad_scale_is_unscaled_in_the_step(path, name):
-    params = make_params([(40,), (3, 3)])
+def _steps_scaled_as_the_reference(name, path, shapes, steps, **options):
+    """`steps` steps of gradients scaled by 1024 with grad_scale set, beside the reference's
+    unscaled ones: the two agree. Returns the optimizer and its parameters."""
+    params = make_params(shapes)
     plain = clone_params(params)
-    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
-    ref = OPTIMIZERS[name](plain, lr=1e-2, backend="reference")
-    for t in range(5):
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path, **options)
+    ref = OPTIMIZERS[name](plain, lr=1e-2, backend="reference", **options)
+    for t in range(steps):
         train(ref, plain, 1, start=t)
         for p, g in zip(params, grads_for_step(params, t)):
             p.grad = g * 1024
         opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
         opt.step()
     assert_states_close(opt, params, ref, plain)
+    return opt, params
+
+
+@cases.parametrize(PATHS)
+def test_grad_scale_is_unscaled_in_the_step(path, name):
+    _steps_scaled_as_the_reference(name, path, [(40,), (3, 3)], 5)
 
 
 @cases.parametrize(PATHS)
@@ -102,17 +109,8 @@ def test_compressed_state_unscales_and_skips_as_the_reference(path, name):
     reference's unscaled one, and a found inf changes nothing (codes, scales, seeds,
     counters)."""
     for state_dtype in (torch.bfloat16, torch.int8):
-        params = make_params([(3, 200), (40,)])
-        plain = clone_params(params)
-        opt = OPTIMIZERS[name](params, lr=1e-2, backend=path, state_dtype=state_dtype)
-        ref = OPTIMIZERS[name](plain, lr=1e-2, backend="reference", state_dtype=state_dtype)
-        for t in range(4):
-            train(ref, plain, 1, start=t)
-            for p, g in zip(params, grads_for_step(params, t)):
-                p.grad = g * 1024
-            opt.grad_scale, opt.found_inf = torch.tensor(1024.0), torch.tensor(0.0)
-            opt.step()
-        assert_states_close(opt, params, ref, plain)
+        opt, params = _steps_scaled_as_the_reference(name, path, [(3, 200), (40,)], 4,
+                                                     state_dtype=state_dtype)
         before = copy.deepcopy(opt.state_dict())
         values = [p.detach().clone() for p in params]
         opt.grad_scale, opt.found_inf = torch.tensor(8.0), torch.tensor(1.0)
