@@ -140,7 +140,10 @@ stage gpt_in_backward 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --
   --optimizers "AdamW[fused],PNM,AdaPNM" --no-fsdp
 stage gpt_in_backward_int8 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
   --optimizers "AdamW[fused],PNM,AdaPNM" --param-dtype bfloat16 --state-dtype int8 \
-  --step-in-backward
+  --step-in-backward --no-fsdp
+# The same under FSDP2 (world size 1: its hooks step the shards after each reduce-scatter).
+stage gpt_in_backward_fsdp2 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
+  --optimizers "PNM,AdaPNM" --param-dtype bfloat16 --state-dtype int8 --step-in-backward
 # Last, within what is left of the deadline. Its ranking is a hint: a choice is adopted only
 # after bench_step.py --triton-configs times it side by side with the shipped table
 # (docs/performance.md, Triton launch configurations).
@@ -162,6 +165,7 @@ cat "$WORK/chunk_sweep.md" 2>/dev/null
 cat "$WORK/launch_params.log" 2>/dev/null
 grep -A6 "^best" "$WORK/tune_triton.log" 2>/dev/null
 tail -6 "$WORK/gpt_fsdp2.log" 2>/dev/null
-tail -6 "$WORK/gpt_in_backward.log" "$WORK/gpt_in_backward_int8.log" 2>/dev/null
+tail -6 "$WORK/gpt_in_backward.log" "$WORK/gpt_in_backward_int8.log" \
+  "$WORK/gpt_in_backward_fsdp2.log" 2>/dev/null
 tail -3 "$WORK/memcheck.log" 2>/dev/null
 pack

@@ -29,20 +29,9 @@ class StepInBackward:
         if getattr(optimizer, "_in_backward", None) is not None:
             raise RuntimeError("step_in_backward: this optimizer already steps inside backward "
                                "(remove() its handle first)")
-        params = [p for group in optimizer.param_groups for p in group["params"]]
-        for gi, group in enumerate(optimizer.param_groups):
-            for pi, p in enumerate(group["params"]):
-                if local(p) is not p:
-                    raise RuntimeError(
-                        f"step_in_backward: param_groups[{gi}]['params'][{pi}] is a DTensor "
-                        "(FSDP2): FSDP2 reduce-scatters gradients in hooks of its own and sets "
-                        "the sharded gradients after them, which no post-accumulate hook sees; "
-                        "use the ordinary step")
-        if torch.distributed.is_available() and torch.distributed.is_initialized() and \
-                torch.distributed.get_world_size() > 1:
-            raise RuntimeError(
-                "step_in_backward: torch.distributed runs with several ranks: under DDP each "
-                "gradient would be stepped before its all-reduce; use the ordinary step")
+        refuse_ddp((f"param_groups[{gi}]['params'][{pi}]", p)
+                   for gi, group in enumerate(optimizer.param_groups)
+                   for pi, p in enumerate(group["params"]))
         self._optimizer = optimizer
         self._bucket_bytes = bucket_mib * 2**20
         self._probing = True  # the first step is an ordinary one (see the module's docstring)
@@ -59,7 +48,7 @@ class StepInBackward:
         self._ever: dict = {}
         self._since_step: set = set()
         self._hooks: list = []
-        self.watch(params)
+        self.watch(p for group in optimizer.param_groups for p in group["params"])
         optimizer._in_backward = self
 
     def watch(self, params) -> None:
@@ -112,7 +101,7 @@ class StepInBackward:
             # backward (its gradients are the user's zero_grad's to clear).
             self._pending, self._pending_bytes, self._flush_queued = [], 0, False
         self._pending.append(p)
-        self._pending_bytes += grad.numel() * grad.element_size()
+        self._pending_bytes += local(grad).numel() * grad.element_size()  # a shard's own
         if not self._flush_queued:  # the rest once the whole backward pass is done
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             self._flush_queued = True
@@ -185,6 +174,25 @@ class StepInBackward:
         return True
 
 
+def refuse_ddp(named_params) -> None:
+    """Under several ranks a plain-tensor parameter's gradient is this rank's own until DDP
+    all-reduces it, after autograd's hooks: stepped in them, each rank would step its own
+    gradient. FSDP2's (DTensor) parameters are fine: FSDP2 calls their hooks itself once it
+    has reduce-scattered their gradients. `named_params`: (where, parameter) pairs."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    ranks = torch.distributed.get_world_size()
+    if ranks == 1:
+        return
+    for where, p in named_params:
+        if local(p) is p:
+            raise RuntimeError(
+                f"step_in_backward: {where} is a plain tensor while torch.distributed runs "
+                f"{ranks} ranks: under DDP its gradient would be stepped before DDP "
+                "all-reduces it. Use the ordinary step with DDP, or FSDP2 (fully_shard), whose "
+                "sharded parameters step in backward")
+
+
 def _backward_pass():
     """Which backward pass is running (autograd's graph task id), None where torch has no
     such query."""
@@ -192,4 +200,4 @@ def _backward_pass():
     return None if current is None else current()
 
 
-__all__ = ["StepInBackward"]
+__all__ = ["StepInBackward", "refuse_ddp"]

@@ -13,7 +13,7 @@ from . import traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
 from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
-from .in_backward import StepInBackward
+from .in_backward import StepInBackward, refuse_ddp
 from .plan import Planner
 from .repeat import RepeatedStep
 from .state import OptimizerState, as_step, plain_state_entries, put, tracked
@@ -99,8 +99,12 @@ class _PositiveNegativeMomentum(Optimizer):
                         f"{where}['params'][{first[id(tensor)]}]; a parameter may appear "
                         "only once")
                 first[id(tensor)] = i
-        super().add_param_group(param_group)
         handle = getattr(self, "_in_backward", None)
+        if handle is not None:  # refused before it is added
+            items = [params] if isinstance(params, torch.Tensor) else params or []
+            refuse_ddp((f"{where}['params'][{i}]", item[1] if isinstance(item, tuple) else item)
+                       for i, item in enumerate(items))
+        super().add_param_group(param_group)
         if handle is not None:  # its parameters step in backward too
             handle.watch(self.param_groups[-1]["params"])
 
@@ -152,8 +156,9 @@ class _PositiveNegativeMomentum(Optimizer):
         and step (clipping), several backward passes a step (accumulate inside
         ``handle.accumulating()`` instead). Afterwards ``optimizer.step()`` and
         ``zero_grad()`` in the training loop are harmless (nothing is left to step).
-        Refused for DTensor (FSDP2) parameters and under several torch.distributed ranks
-        (DDP's all-reduce would come after the step).
+        FSDP2's sharded parameters step once their gradients are reduce-scattered; plain
+        tensors under several torch.distributed ranks are refused (DDP's all-reduce would
+        come after the step).
 
         Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
         restores the ordinary step.

@@ -115,6 +115,8 @@ def _worker(rank, mode, name, workdir, port):
         else:
             _shard(model, offload=mode == "fsdp-offload", device_type=device.type)
             opt = _make_opt(name, model.parameters(), device, state_dtype=_state_dtype(mode))
+            if "-in-backward" in mode:  # FSDP2 calls the shards' hooks after reduce-scatter
+                opt.step_in_backward(bucket_mib=2**-10)
             if _state_dtype(mode) is not None:  # rank 1's rows 16..30 take the random bits
                 assert element_offset(model[0].weight) == rank * 16 * 128  # of the whole's
             half = STEPS // 2
@@ -128,6 +130,8 @@ def _worker(rank, mode, name, workdir, port):
                 model, opt = _checkpoint_round_trip(model, opt, name, workdir,
                                                     _state_dtype(mode))
             _train(model, opt, xs, ys, range(half, STEPS), rank)
+            if "-in-backward" in mode:  # every reduced gradient was stepped and freed
+                assert all(p.grad is None for p in model.parameters())
             full = [p.full_tensor().detach().cpu() for p in model.parameters()]
         torch.save(full, os.path.join(workdir, f"rank{rank}.pt"))
         dist.barrier()  # no rank tears down while another is still in a collective
@@ -196,7 +200,8 @@ def _checkpoint_round_trip(model, opt, name, workdir, state_dtype=None):
 @pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "ddp-zero-resumed"] + [
     pytest.param(m, marks=needs_cpu_fsdp2) for m in (
         "fsdp", "fsdp-dcp", "fsdp-offload", "fsdp-bf16-state", "fsdp-dcp-bf16-state",
-        "fsdp-int8-state", "fsdp-dcp-int8-state")] + [
+        "fsdp-int8-state", "fsdp-dcp-int8-state", "fsdp-in-backward",
+        "fsdp-in-backward-int8-state")] + [
     "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_two_ranks_match_single_process_training(mode, name):
@@ -374,3 +379,83 @@ def test_fsdp2_any_sequence_of_user_events_gives_the_references_steps(one_rank, 
     expected = _one_rank_fsdp2_steps_with_random_events(name, "reference", seed)
     for p, q in zip(got, expected):
         torch.testing.assert_close(p, q)
+
+
+def _one_rank_fsdp2_training_in_backward(name, backend, state_dtype, in_backward):
+    """Eight steps of an FSDP2 model, stepping inside backward (buckets of about 1 KiB: each
+    weight alone, the biases together) or not. Returns the model, the optimizer and whether
+    any parameter held a gradient after a backward pass."""
+    model, (xs, ys) = _one_rank_model()
+    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend,
+                           state_dtype=state_dtype)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=2**-10)
+    grads_kept = False
+    for t in list(range(STEPS)) * 2:
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
+        grads_kept |= any(p.grad is not None for p in model.parameters())
+        opt.step()
+    return model, opt, grads_kept
+
+
+@needs_one_rank_fsdp2
+@pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["plain", "int8-state"])
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_fsdp2_steps_in_backward_as_the_ordinary_step_bitwise(one_rank, path, name, state_dtype):
+    """FSDP2 calls its sharded parameters' post-accumulate-grad hooks once it has
+    reduce-scattered their gradients (the first layer's in its end-of-backward callback): the
+    shards step in backward, their gradients are freed there (after the ordinary first step,
+    the probe, none is left), and parameters and state are the ordinary step's bits."""
+    if path == "triton" and state_dtype is not None:
+        pytest.skip("the Triton interpreter's int8 step is covered in test_step_in_backward.py")
+    ordinary, ordinary_opt, _ = _one_rank_fsdp2_training_in_backward(name, path, state_dtype,
+                                                                    False)
+    model, opt, grads_kept = _one_rank_fsdp2_training_in_backward(name, path, state_dtype, True)
+    assert grads_kept  # the probe's (the ordinary step's) gradients
+    assert all(p.grad is None for p in model.parameters())
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+        for key, value in opt.state[p].items():
+            expected = ordinary_opt.state[q][key]
+            assert torch.equal(getattr(value, "_local_tensor", value),
+                               getattr(expected, "_local_tensor", expected)), key
+
+
+def _one_rank_fsdp2_accumulation(name, how):
+    """Four steps of two micro-batches each: summed by FSDP2's reduce-scatters ("ordinary",
+    the ordinary step; "accumulating", stepping in backward with the first micro-batch inside
+    handle.accumulating()), or summed unsharded with FSDP2's gradient sync off for the first
+    ("no-sync", stepping in backward: FSDP2 calls no hook until it reduces)."""
+    import contextlib
+
+    model, (xs, ys) = _one_rank_model()
+    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend="fused")
+    handle = opt.step_in_backward(bucket_mib=2**-10) if how != "ordinary" else None
+    for t in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            first = micro == 0
+            accumulating = handle.accumulating() if how == "accumulating" and first \
+                else contextlib.nullcontext()
+            model.set_requires_gradient_sync(not (how == "no-sync" and first))
+            with accumulating:
+                x, y = xs[t][micro * 4:(micro + 1) * 4], ys[t][micro * 4:(micro + 1) * 4]
+                torch.nn.functional.mse_loss(model(x), y).backward()
+        if handle is not None and t > 0:  # after the probe: stepped and freed in backward
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+    return [p.full_tensor().detach().cpu() for p in model.parameters()]
+
+
+@needs_one_rank_fsdp2
+@pytest.mark.parametrize("how", ["accumulating", "no-sync"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_fsdp2_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_rank, name, how):
+    if "fused" not in __import__("pnm_kernels").available_backends(ONE_RANK_DEVICE):
+        pytest.skip("pnm_kernels._C is not built")
+    got = _one_rank_fsdp2_accumulation(name, how)
+    expected = _one_rank_fsdp2_accumulation(name, "ordinary")
+    for p, q in zip(got, expected):
+        assert torch.equal(p, q)

@@ -183,15 +183,23 @@ def test_a_bad_bucket_size_is_refused(bad):
         PNM(_model().parameters()).step_in_backward(bucket_mib=bad)
 
 
-def test_twice_and_under_several_ranks_is_refused(monkeypatch):
+def test_twice_and_plain_tensors_under_several_ranks_are_refused(monkeypatch):
     opt = PNM(_model().parameters())
     opt.step_in_backward()
     with pytest.raises(RuntimeError, match="already steps inside backward"):
         opt.step_in_backward()
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: True)
     monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
-    with pytest.raises(RuntimeError, match="DDP"):
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] .*DDP"):
         PNM(_model().parameters()).step_in_backward()
+    # A group added later under several ranks: refused before it joins the optimizer.
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 1)
+    opt = PNM(_model().parameters())
+    opt.step_in_backward()
+    monkeypatch.setattr(torch.distributed, "get_world_size", lambda *a: 2)
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] .*DDP"):
+        opt.add_param_group({"params": torch.nn.Linear(2, 2).weight})
+    assert len(opt.param_groups) == 1
 
 
 def test_a_compiled_model_steps_in_backward_as_with_the_ordinary_step():

@@ -4,8 +4,8 @@ FSDP2 (world size 1 is fine): tokens/s for AdamW (fused) versus AdaPNM (and PNM)
     python benchmarks/examples/gpt_fsdp2.py [--steps 50] [--layers 6] [--dim 512] [--no-compile]
     torchrun --nproc-per-node N benchmarks/examples/gpt_fsdp2.py     # several GPUs
 
---step-in-backward: one process without FSDP2 (which the step in backward cannot see into);
-ours step inside backward (optimizer.step_in_backward(); AdamW as before, its reference). With
+--step-in-backward: ours step inside backward (optimizer.step_in_backward(); AdamW as before,
+its reference), under FSDP2 as without it (--no-fsdp: one process, no FSDP2). With
 --param-dtype bfloat16 our parameters are bfloat16, written with stochastic rounding. On a
 GPU each run reports its peak memory and the bytes per parameter beyond the activations
 (peak minus what a forward and backward alone, gradients freed as made, added to the
@@ -66,7 +66,7 @@ def train(name, args, device, rank):
     ours = name != "AdamW[fused]"
     param_dtype = getattr(torch, args.param_dtype) if ours else torch.float32
     model = GPT(args.vocab, args.dim, args.layers, args.heads, args.seq).to(device, param_dtype)
-    if not (args.step_in_backward or args.no_fsdp):
+    if not args.no_fsdp:
         for block in model.blocks:
             fully_shard(block)
         fully_shard(model)
@@ -189,15 +189,15 @@ def main(argv=None):
     parser.add_argument("--optimizers", default="AdamW[fused],AdaPNM",
                         help="comma-separated, from AdamW[fused], AdaPNM, PNM")
     parser.add_argument("--step-in-backward", action="store_true",
-                        help="ours step inside backward (one process, no FSDP2)")
+                        help="ours step inside backward (FSDP2's shards too)")
     parser.add_argument("--no-fsdp", action="store_true",
-                        help="one process without FSDP2 (as --step-in-backward runs)")
+                        help="one process without FSDP2")
     args = parser.parse_args(argv)
     unknown = set(args.optimizers.split(",")) - {"AdamW[fused]", "AdaPNM", "PNM"}
     if unknown:
         parser.error(f"unknown optimizers {sorted(unknown)}")
-    if (args.step_in_backward or args.no_fsdp) and int(os.environ.get("WORLD_SIZE", 1)) > 1:
-        parser.error("--step-in-backward and --no-fsdp run in one process")
+    if args.no_fsdp and int(os.environ.get("WORLD_SIZE", 1)) > 1:
+        parser.error("--no-fsdp runs in one process")
     cuda = torch.cuda.is_available()
     created = not dist.is_initialized()
     if created:
