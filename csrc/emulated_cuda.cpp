@@ -84,7 +84,8 @@ template <typename T, class Algo>
 void run_emulated_int8(const StepCall& call, const StepArgs& args) {
   constexpr int kWarps = kBlockSize / kWarpSize;
   constexpr int kWritten = Int8Lane<Algo>::kWritten;
-  const auto tables = plan_int8_launches<Algo::kLists>(call, sizeof(T));
+  const GatheredPointers g = gather_pointers(call);
+  const auto tables = plan_int8_launches<Algo::kLists>(call, g, sizeof(T));
   std::vector<Int8Lane<Algo>> lanes(kWarpSize);
   for (const auto& table : tables) {
     for (int block = 0; block < table.num_blocks; ++block) {
@@ -107,7 +108,6 @@ void run_emulated_int8(const StepCall& call, const StepArgs& args) {
       }
     }
   }
-  const GatheredPointers g = gather_pointers(call);
   for (const auto& counters : plan_step_counters(static_cast<int>(call.size()), g.steps.data())) {
     for (int thread = 0; thread < kBlockSize; ++thread) {
       increment_steps(counters, args.found_inf, thread, kBlockSize);

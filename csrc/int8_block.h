@@ -223,11 +223,12 @@ PNM_UNROLL
 }
 
 // Host side: the launch tables of an int8 step over the call's tensors (checked by
-// check_int8_call). A thread block's chunk is the dtype's chunk of elements in whole
-// quantisation blocks (default_chunk_size / kInt8Block, at least one).
+// check_int8_call), from their gathered pointers (which the counters' launch takes too). A
+// thread block's chunk is the dtype's chunk of elements in whole quantisation blocks
+// (default_chunk_size / kInt8Block, at least one).
 template <int kLists>
-std::vector<Int8Table<kLists>> plan_int8_launches(const StepCall& call, size_t element_size) {
-  const GatheredPointers g = gather_pointers(call);
+std::vector<Int8Table<kLists>> plan_int8_launches(const StepCall& call, const GatheredPointers& g,
+                                                  size_t element_size) {
   const GatheredSeeds seeds = gather_seeds(call);
   const int n = static_cast<int>(call.size());
   const int buffers = kLists - 2;

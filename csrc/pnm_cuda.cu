@@ -155,13 +155,13 @@ void run_cuda_state(const StepCall& call, const StepArgs& args) {
 template <typename T, class Algo>
 void run_cuda_int8(const StepCall& call, const StepArgs& args) {
   const cudaStream_t stream = c10::cuda::getCurrentCUDAStream();
-  for (const auto& table : plan_int8_launches<Algo::kLists>(call, sizeof(T))) {
+  const GatheredPointers g = gather_pointers(call);
+  for (const auto& table : plan_int8_launches<Algo::kLists>(call, g, sizeof(T))) {
     if (table.num_blocks == 0) continue;
     int8_state_kernel<T, Algo><<<table.num_blocks, kBlockSize, 0, stream>>>(
         table, args, call.bf16_stochastic_round);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
   }
-  const GatheredPointers g = gather_pointers(call);
   for (const auto& counters : plan_step_counters(static_cast<int>(call.size()), g.steps.data())) {
     increment_kernel<<<1, 256, 0, stream>>>(counters, args.found_inf);
     C10_CUDA_KERNEL_LAUNCH_CHECK();
