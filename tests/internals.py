@@ -14,6 +14,7 @@ import pnm_kernels.backends as backends
 from pnm_kernels import plan
 from pnm_kernels.backends import base, fused
 from pnm_kernels.backends import triton as triton_backend
+from pnm_kernels.backends import triton_tables
 from pnm_kernels.hyper import Hyper
 
 
@@ -156,9 +157,9 @@ def run_triton_step(adaptive, batch, hp, grad_scale=None, found_inf=None):
 
 
 def simulate_triton_graph_capture(monkeypatch):
-    """The Triton step sees a CUDA graph capture under way. Sets `capturing` in the Triton
-    backend."""
-    monkeypatch.setattr(triton_backend, "capturing", lambda device: True)
+    """The Triton step sees a CUDA graph capture under way. Sets `capturing` where the Triton
+    backends' tables read it (triton_tables.py)."""
+    monkeypatch.setattr(triton_tables, "capturing", lambda device: True)
 
 
 class _Recorder:

@@ -240,12 +240,14 @@ def test_a_host_reading_backend_refuses_a_cuda_graph_capture_untouched(name, bac
     assert not torch.equal(host[0], values[-1])
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["plain", "bf16-state"])
 @cases.parametrize(["triton"], optimizers=["PNM"], args=["path"])
-def test_triton_tables_needed_inside_a_graph_capture_raise_clearly(path, monkeypatch):
+def test_triton_tables_needed_inside_a_graph_capture_raise_clearly(path, state_dtype,
+                                                                   monkeypatch):
     """Tables for new addresses would need a host-to-device copy, which a CUDA graph capture
     forbids: the step says so (and what to do) instead of failing inside CUDA."""
     params = make_params([(5,), (3, 2)])
-    opt = PNM(params, backend=path)
+    opt = PNM(params, backend=path, state_dtype=state_dtype)
     train(opt, params, 2)
     simulate_triton_graph_capture(monkeypatch)
     for p in params:  # gradients kept, as zero_grad(set_to_none=False) keeps them

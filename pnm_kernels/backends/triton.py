@@ -6,14 +6,14 @@ training loop whose tensors stay put uploads nothing after its first step. The k
 nothing: every list is confirmed to fit its parameter before its pointers enter a table
 (held_lists_ok, StepLists.own_grad_pointers)."""
 import os
-from collections import OrderedDict
 from typing import Optional
 
 import torch
 
 from ..hyper import Hyper, coefficients
 from . import triton_state
-from .base import Batch, HeldLists, Launch, Scaling, capturing, new_blocks_done, split_lr
+from .base import Batch, HeldLists, Launch, Scaling, new_blocks_done, split_lr
+from .triton_tables import as_device, cached, chunk_map, refuse_in_capture
 from .base import step_lists
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
@@ -34,25 +34,13 @@ def unavailable_reason(device: torch.device, dtype: torch.dtype) -> Optional[str
             f"not on {device.type} tensors")
 
 
-_TABLE_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
-_TABLE_CACHE_SIZE = 16
-
-
 def _tables(lists, steps, device, chunk):
     """Device tables for these tensors, rebuilt only when an address or size changed."""
     numels = [t.numel() for t in lists[0]]
     ptrs = [t.data_ptr() for lst in lists for t in lst]
     step_ptrs = [s.data_ptr() for s in steps]
-    key = (device, chunk, tuple(ptrs), tuple(step_ptrs), tuple(numels))
-    try:  # one call each: an optimizer stepping in another thread may evict the key
-        _TABLE_CACHE.move_to_end(key)
-        return _TABLE_CACHE[key]
-    except KeyError:
-        pass
-    tables = _TABLE_CACHE[key] = _build_tables(ptrs, step_ptrs, numels, device, chunk)
-    if len(_TABLE_CACHE) > _TABLE_CACHE_SIZE:
-        _TABLE_CACHE.popitem(last=False)
-    return tables
+    key = ("step", device, chunk, tuple(ptrs), tuple(step_ptrs), tuple(numels))
+    return cached(key, device, lambda: _build_tables(ptrs, step_ptrs, numels, device, chunk))
 
 
 def _held_tables(now, n, device, chunk, held: HeldLists):
@@ -72,23 +60,12 @@ def _held_tables(now, n, device, chunk, held: HeldLists):
 
 
 def _build_tables(ptrs, step_ptrs, numels, device, chunk):
-    if capturing(device):
-        raise RuntimeError(
-            "pnm_kernels (backend='triton'): the step's tensors are at addresses not seen "
-            "before the CUDA graph capture, and their tables cannot be copied to the GPU "
-            "inside a capture. Keep gradients between steps (zero_grad(set_to_none=False)) "
-            "so the warm-up steps build the tables, or use backend='fused', whose tables "
-            "travel as kernel arguments.")
-    chunk_tensor, chunk_start = [], []
-    for i, n in enumerate(numels):
-        for s in range(0, n, chunk):
-            chunk_tensor.append(i)
-            chunk_start.append(s)
-    as_device = lambda xs, dt: torch.tensor(xs, dtype=dt).to(device)  # noqa: E731
+    refuse_in_capture(device)
+    chunk_tensor, chunk_start = chunk_map(numels, chunk)
     aligned = all(ptr % 16 == 0 for ptr in ptrs)  # every tensor starts on 16 bytes
-    return (as_device(ptrs, torch.int64), as_device(numels, torch.int64),
-            as_device(step_ptrs, torch.int64), as_device(chunk_tensor, torch.int32),
-            as_device(chunk_start, torch.int64), len(chunk_tensor), aligned)
+    return (as_device(ptrs, torch.int64, device), as_device(numels, torch.int64, device),
+            as_device(step_ptrs, torch.int64, device), as_device(chunk_tensor, torch.int32, device),
+            as_device(chunk_start, torch.int64, device), len(chunk_tensor), aligned)
 
 
 def _blocks_done(held: Optional[HeldLists], device):

@@ -3,49 +3,14 @@ the host side of triton_state_kernels.py. Tables as triton.py's, cached under th
 addresses, sizes, seeds' addresses and offsets; such batches are not held between steps (as
 for the fused backend). The kernels check nothing: the optimizer made every buffer, seed and
 scale tensor to fit its parameter (state.py), and the batch's lists are confirmed here."""
-from collections import OrderedDict
-
 import torch
 
 from ..hyper import Hyper, coefficients
 from ..quantization import blocks_per_row
-from .base import Batch, Scaling, capturing, split_int8, split_lr
+from .base import Batch, Scaling, split_int8, split_lr
+from .triton_tables import as_device, cached, chunk_map
 
 INT8_BLOCKS = {"interpreter": 8, "gpu": 16}  # quantisation blocks a program (tests cross them)
-_CACHE: "OrderedDict[tuple, tuple]" = OrderedDict()
-_CACHE_SIZE = 16
-
-
-def _cached(key, build):
-    try:  # one call each: an optimizer stepping in another thread may evict the key
-        _CACHE.move_to_end(key)
-        return _CACHE[key]
-    except KeyError:
-        pass
-    if capturing(key[0]):
-        raise RuntimeError(
-            "pnm_kernels (backend='triton'): the step's tensors are at addresses not seen "
-            "before the CUDA graph capture, and their tables cannot be copied to the GPU "
-            "inside a capture. Keep gradients between steps (zero_grad(set_to_none=False)) "
-            "so the warm-up steps build the tables, or use backend='fused'.")
-    tables = _CACHE[key] = build()
-    if len(_CACHE) > _CACHE_SIZE:
-        _CACHE.popitem(last=False)
-    return tables
-
-
-def _as_device(values, dtype, device):
-    return torch.tensor(values, dtype=dtype).to(device)
-
-
-def _chunks(counts, chunk):
-    """(tensor, start) of every chunk of `chunk` units of tensors of these sizes."""
-    tensor, start = [], []
-    for i, n in enumerate(counts):
-        for s in range(0, n, chunk):
-            tensor.append(i)
-            start.append(s)
-    return tensor, start
 
 
 def _common_tables(device, lists, batch: Batch, counts, chunk, extra=()):
@@ -56,16 +21,16 @@ def _common_tables(device, lists, batch: Batch, counts, chunk, extra=()):
     steps = [s.data_ptr() for s in batch.steps]
     seeds = [s.data_ptr() for s in batch.seeds] or [0] * len(counts)
     offsets = list(batch.offsets) or [0] * len(counts)
-    key = (device, chunk, tuple(ptrs), tuple(steps), tuple(seeds), tuple(offsets),
+    key = ("state", device, chunk, tuple(ptrs), tuple(steps), tuple(seeds), tuple(offsets),
            tuple(counts), tuple(tuple(e) for e in extra))
 
     def build():
-        chunk_tensor, chunk_start = _chunks(counts, chunk)
-        tables = [_as_device(x, torch.int64, device)
+        chunk_tensor, chunk_start = chunk_map(counts, chunk)
+        tables = [as_device(x, torch.int64, device)
                   for x in (ptrs, counts, steps, seeds, offsets, *extra)]
-        return (*tables, _as_device(chunk_tensor, torch.int32, device),
-                _as_device(chunk_start, torch.int64, device), len(chunk_tensor))
-    return _cached(key, build)
+        return (*tables, as_device(chunk_tensor, torch.int32, device),
+                as_device(chunk_start, torch.int64, device), len(chunk_tensor))
+    return cached(key, device, build)
 
 
 def _scalar_args(hyper: Hyper, device, scaling: Scaling, dummy):
