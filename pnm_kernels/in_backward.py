@@ -5,11 +5,11 @@ once. Parameters whose gradients are ready are stepped together, a bucket of abo
 parameter), so the result is the ordinary step's: bitwise on the fused backends.
 
 What cannot be applied to gradients that are already gone is found out before anything is
-stepped inside backward: the first step after `step_in_backward` is an ordinary one (a
-probe), and the training loop around it shows whether it scales the loss (GradScaler),
-changes the gradients between backward and step (clipping, unscaling by hand) or runs
-several backward passes a step (accumulation: `handle.accumulating()` says so). Each of those
-is refused then, before any parameter moved, naming it."""
+stepped inside backward: the first step after `step_in_backward` that follows a backward
+pass is an ordinary one (a probe), and the training loop around it shows whether it scales
+the loss (GradScaler), changes the gradients between backward and step (clipping, unscaling
+by hand) or runs several backward passes a step (accumulation: `handle.accumulating()` says
+so). Each of those is refused then, before any parameter moved, naming it."""
 import contextlib
 
 import torch
@@ -40,7 +40,7 @@ class StepInBackward:
         self._pending_bytes = 0
         self._flush_queued = False
         self._pass = None  # the backward pass (graph task) whose end will flush the bucket
-        self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its version)
+        self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its _fingerprint)
         # zero_grad(set_to_none=False) keeps a zero gradient for every parameter that ever had
         # one, and the ordinary step steps it: the parameters ever stepped, and those since the
         # last step(), to step the others with zeros as it would.
@@ -91,8 +91,8 @@ class StepInBackward:
         if self._accumulating or grad is None:
             return
         if self._probing:
-            _, passes, _, _ = self._seen.get(id(p), (p, 0, None, 0))
-            self._seen[id(p)] = (p, passes + 1, grad, grad._version)
+            _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
+            self._seen[id(p)] = (p, passes + 1, grad, _fingerprint(grad))
             return
         this_pass = _backward_pass()
         if self._flush_queued and this_pass != self._pass:
@@ -128,6 +128,8 @@ class StepInBackward:
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
         self._zero_filled = not set_to_none
+        if set_to_none:  # no gradient left for the ordinary step to step with zeros later
+            self._ever = {}
 
     # -- optimizer.step() --------------------------------------------------------------------
 
@@ -154,13 +156,15 @@ class StepInBackward:
             self._since_step = set()
             return True  # steps only what still has a gradient (none, in the usual loop)
         seen, self._seen = self._seen, {}  # a refused probe is retried afresh
-        for p, passes, grad, version in seen.values():
+        if not seen:  # no backward pass before this step (a step before training, DCP's
+            return True  # state initialisation): the probe is the next one
+        for p, passes, grad, fingerprint in seen.values():
             if passes > 1:
                 raise RuntimeError(
                     f"step_in_backward: {passes} backward passes reached a parameter of shape "
                     f"{tuple(p.shape)} before this step: to accumulate gradients, run all "
                     "micro-batches but the last inside `with handle.accumulating():`")
-            if p.grad is not grad or (grad is not None and grad._version != version):
+            if p.grad is not grad or not _same(fingerprint, _fingerprint(grad)):
                 raise RuntimeError(
                     "step_in_backward: a gradient (of a parameter of shape "
                     f"{tuple(p.shape)}) was changed between backward and step (gradient "
@@ -191,6 +195,25 @@ def refuse_ddp(named_params) -> None:
                 f"{ranks} ranks: under DDP its gradient would be stepped before DDP "
                 "all-reduces it. Use the ordinary step with DDP, or FSDP2 (fully_shard), whose "
                 "sharded parameters step in backward")
+
+
+def _fingerprint(grad):
+    """What tells whether a gradient changed: its version counter and the sum of its bit
+    patterns. The bits, because in-place foreach ops on a DTensor, as clip_grad_norm_ runs
+    them under FSDP2, bump no counter; not the local shard's counter, which FSDP2's shards
+    share with the other views of one reduce-scatter's output (accumulating into the next
+    parameter's bumps it). The sum is None for a layout without bits."""
+    data = local(grad)
+    if data.layout != torch.strided or data.device.type == "meta":
+        return grad._version, None
+    if data.is_complex():
+        data = torch.view_as_real(data)
+    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[data.element_size()]
+    return grad._version, data.view(as_int).sum(dtype=torch.int64)
+
+
+def _same(a, b) -> bool:
+    return a[0] == b[0] and (a[1] is None or torch.equal(a[1], b[1]))
 
 
 def _backward_pass():

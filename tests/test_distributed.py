@@ -459,3 +459,23 @@ def test_fsdp2_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_ra
     expected = _one_rank_fsdp2_accumulation(name, "ordinary")
     for p, q in zip(got, expected):
         assert torch.equal(p, q)
+
+
+@needs_one_rank_fsdp2
+@pytest.mark.parametrize("clip", ["norm", "value"])
+def test_fsdp2_gradient_clipping_is_refused_in_backward_before_anything_moves(one_rank, clip):
+    """clip_grad_norm_/clip_grad_value_ scale FSDP2's DTensor gradients with in-place foreach
+    ops, which bump no version counter: the probe sees the changed bits and refuses."""
+    model, (xs, ys) = _one_rank_model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    before = [p.to_local().clone() for p in model.parameters()]
+    torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
+    if clip == "norm":
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    else:
+        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
+    with pytest.raises(RuntimeError, match="gradient clipping"):
+        opt.step()
+    assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
+    assert not opt.state

@@ -136,6 +136,31 @@ def test_gradient_clipping_is_refused_before_anything_moves():
                           r"changed between backward and step \(gradient clipping")
 
 
+def test_gradients_edited_without_a_new_version_are_refused_before_anything_moves():
+    """Edits through .data bump no version counter (nor do in-place foreach ops on a DTensor
+    gradient, as FSDP2's clipping runs them: test_distributed.py); the probe compares the
+    gradients' bits too."""
+    def loop(model, opt):
+        model(_batches(1)[0]).pow(2).mean().backward()
+        model[0].weight.grad.data.mul_(0.5)
+        opt.step()
+    _refused_in_the_probe(loop, r"changed between backward and step")
+
+
+def test_a_step_before_any_backward_pass_leaves_the_probe_to_the_first_real_one():
+    """A step with no backward pass before it (gradients set by hand, as DCP's optimizer state
+    initialisation does) is not taken as the training loop's probe: clipping in the loop
+    after it is still refused."""
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    for p in model.parameters():
+        p.grad = torch.zeros_like(p)
+    opt.step()
+    with pytest.raises(RuntimeError, match="gradient clipping"):
+        _train(model, opt, _batches(1), clip=True)
+
+
 def test_grad_scaler_is_refused_before_anything_moves():
     def loop(model, opt):
         scaler = torch.amp.GradScaler("cpu")
@@ -230,9 +255,10 @@ class _FailsInBackward(torch.autograd.Function):
         raise RuntimeError("simulated failure in backward")
 
 
-def _loop_with_edge_cases(in_backward):
-    """zero_grad(set_to_none=False); a layer the loss reaches only in some steps; one backward
-    pass that fails after a layer's gradients were accumulated (the batch skipped)."""
+def _loop_with_edge_cases(in_backward, set_to_none_at=None):
+    """zero_grad(set_to_none=False) (but set_to_none=True at step `set_to_none_at`); a layer
+    the loss reaches only in some steps; one backward pass that fails after a layer's
+    gradients were accumulated (the batch skipped)."""
     torch.manual_seed(0)
     a, b, c, sometimes = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2),
                           torch.nn.Linear(4, 2))
@@ -242,7 +268,7 @@ def _loop_with_edge_cases(in_backward):
         opt.step_in_backward(bucket_mib=100 / 2**20)  # a's gradients alone stay pending
     gen = torch.Generator().manual_seed(2)
     for k in range(6):
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=k == set_to_none_at)
         x = torch.randn(8, 4, generator=gen)
         if k == 3:
             loss = _FailsInBackward.apply(c(x)).sum() + a(x).sum()
@@ -256,15 +282,18 @@ def _loop_with_edge_cases(in_backward):
     return [a, b, sometimes], opt
 
 
-def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_loop():
+@pytest.mark.parametrize("set_to_none_at, steps_of_the_unreached_layer", [(None, 5), (2, 2)])
+def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_loop(
+        set_to_none_at, steps_of_the_unreached_layer):
     """zero_grad(set_to_none=False) keeps a zero gradient for a layer the loss stops reaching,
     which the ordinary step still steps (decay, momentum, its counter): so does the step in
-    backward, at step(). A backward pass that fails leaves nothing pending for the next."""
-    (layers_a, opt_a), (layers_b, opt_b) = (_loop_with_edge_cases(False),
-                                            _loop_with_edge_cases(True))
+    backward, at step(); until one zero_grad(set_to_none=True) drops it, after which neither
+    steps the layer. A backward pass that fails leaves nothing pending for the next."""
+    (layers_a, opt_a), (layers_b, opt_b) = (_loop_with_edge_cases(False, set_to_none_at),
+                                            _loop_with_edge_cases(True, set_to_none_at))
     params_a = [p for layer in layers_a for p in layer.parameters()]
     params_b = [p for layer in layers_b for p in layer.parameters()]
-    assert int(opt_b.state[layers_b[2].weight]["step"]) == 5  # stepped in every completed step
+    assert int(opt_b.state[layers_b[2].weight]["step"]) == steps_of_the_unreached_layer
     assert_same_bits(opt_a, params_a, opt_b, params_b)
 
 
