@@ -197,6 +197,9 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("hold_outside", &pnm::StepLists::hold_outside)
       .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
       .def("bump_versions", &pnm::StepLists::bump_versions);
+  m.class_<pnm::HeldLayouts>("HeldLayouts")
+      .def(torch::init<std::vector<at::Tensor>>())
+      .def("unchanged", &pnm::HeldLayouts::unchanged);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {

@@ -256,4 +256,26 @@ void StepLists::adapnm_step_on(
             decoupled, maximize, lr_tensor, grad_scale, found_inf, blocks_done);
 }
 
+HeldLayouts::HeldLayouts(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
+  layouts_.reserve(tensors_.size());
+  for (const at::Tensor& t : tensors_) {
+    TORCH_CHECK(t.defined() && t.layout() == at::kStrided,
+                "pnm_kernels: HeldLayouts holds dense tensors");
+    layouts_.push_back({t.scalar_type(), t.device(), t.sizes().vec(), t.strides().vec()});
+  }
+}
+
+bool HeldLayouts::unchanged() const {
+  for (size_t i = 0; i < tensors_.size(); ++i) {
+    const at::Tensor& t = tensors_[i];
+    const Layout& was = layouts_[i];
+    if (t.scalar_type() != was.dtype || t.device() != was.device ||
+        t.layout() != at::kStrided || t.sizes() != at::IntArrayRef(was.sizes) ||
+        t.strides() != at::IntArrayRef(was.strides)) {
+      return false;
+    }
+  }
+  return true;
+}
+
 }  // namespace pnm

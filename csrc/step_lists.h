@@ -132,4 +132,25 @@ struct StepLists : torch::CustomClassHolder {
                       const std::optional<at::Tensor>& found_inf);
 };
 
+// The tensors of a cached batch of state in a dtype of its own (parameters, buffers, step
+// counters, seeds, int8 scales), held with their layouts as when the batch was built and
+// checked (the optimizer made each to fit its parameter). Python can give any of them new
+// data (t.data = ...) without the cache knowing; unchanged() says whether each still has its
+// dtype, device, shape and strides, so that the cached lists may be stepped again. Its
+// kernels check their arguments too, but a step can be two calls (int8 and the short rows'
+// bfloat16) or several batches, and none may start unless all can; Triton's check nothing.
+struct HeldLayouts : torch::CustomClassHolder {
+  explicit HeldLayouts(std::vector<at::Tensor> tensors);
+  bool unchanged() const;
+
+ private:
+  struct Layout {
+    at::ScalarType dtype;
+    c10::Device device;
+    std::vector<int64_t> sizes, strides;
+  };
+  std::vector<at::Tensor> tensors_;
+  std::vector<Layout> layouts_;
+};
+
 }  // namespace pnm

@@ -8,7 +8,7 @@ from typing import Optional
 import torch
 
 from .backends import BACKENDS
-from .backends.base import Batch, HeldLists, held_lists_ok
+from .backends.base import Batch, HeldLists, held_lists_ok, hold_layouts, own_state
 from .backends.layout import dense_like
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
@@ -37,7 +37,7 @@ class BatchCache:
 
     def lookup(self, optimizer, group, backend, names, ids) -> Optional[Batch]:
         """The cached lists of a batch (gradients left out), if still valid."""
-        hit = self._entries.get((id(group), backend, group["state_dtype"], names, ids))
+        hit = self._entries.get(_key(group, backend, names, ids))
         return hit[1] if hit is not None and hit[0] == self.version(optimizer) else None
 
     def batch(self, optimizer, item, names) -> tuple[Batch, list]:
@@ -51,7 +51,8 @@ class BatchCache:
                 grads = list(map(shard_of if item.layout_ok else local, grads))
             else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)
                 cached = None
-        if cached is not None and item.origin is None and not held_lists_ok(cached):
+        if (cached is not None and (item.origin is None or own_state(cached))
+                and not held_lists_ok(cached)):
             # A parameter, buffer or counter was given new data (t.data = ...) of another
             # dtype, shape or layout: rebuild, its state following it. (On the deferred path
             # the kernel's own checks find this before touching anything.)
@@ -62,25 +63,28 @@ class BatchCache:
             if layout_ok is None:
                 layout_ok = all(map(dense_like, grads, cached.params))
             if layout_ok:
-                return Batch(cached.params, grads, cached.buffers, cached.steps, cached.held), []
+                return Batch(cached.params, grads, cached.buffers, cached.steps, cached.held,
+                             cached.seeds, cached.offsets, cached.scales), []
         batch, writebacks, counted = self.build(optimizer, group, params, names,
                                                 BACKENDS[backend].flat)
         shards = not all(map(holdable, params))
         simple = counted and not writebacks and (not shards or all(map(shard_holdable, params)))
-        # Lists for state in a dtype of its own are not held: its kernel takes seeds too.
-        if (simple and BACKENDS[backend].holds_lists
-                and not steps_in_float32(group["state_dtype"], group["bf16_stochastic_round"],
-                                         params[0].dtype)):
+        if simple and BACKENDS[backend].holds_lists:
             version = self.version(optimizer)
             for key in [k for k, (v, _) in self._entries.items() if v != version]:
                 del self._entries[key]  # stale: holds tensors the state may have replaced
             if len(self._entries) > _MAX_ENTRIES:
                 self._entries.clear()
             batch.held = HeldLists(shards=shards)
+            if steps_in_float32(group["state_dtype"], group["bf16_stochastic_round"],
+                                params[0].dtype):  # its kernels take seeds and scales too
+                batch.held.own_state = True
+                batch.held.layouts = hold_layouts(batch)
             # Cached without this step's gradients: holding them would keep a whole set of
             # gradients alive after zero_grad() (a model's worth of GPU memory).
-            held = Batch(batch.params, [], batch.buffers, batch.steps, batch.held)
-            self._entries[(id(group), backend, group["state_dtype"], names, item.ids)] = (
+            held = Batch(batch.params, [], batch.buffers, batch.steps, batch.held, batch.seeds,
+                         batch.offsets, batch.scales)
+            self._entries[_key(group, backend, names, item.ids)] = (
                 version, held)
         return batch, writebacks
 
@@ -130,6 +134,14 @@ class BatchCache:
         if replaced:
             self.drop()
         return state
+
+
+def _key(group, backend, names, ids) -> tuple:
+    """What a batch's lists depend on besides the state: the group, its backend, the dtype
+    of its state, whether bfloat16 parameters round stochastically (seeds or none), the
+    buffers and the parameters."""
+    return (id(group), backend, group["state_dtype"], group["bf16_stochastic_round"], names,
+            ids)
 
 
 class ParameterPlaces:

@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
-from .backends.base import Scaling, held_lists_ok
+from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
 from .hyper import (Hyper, check_state_dtype, signature, steps_in_float32, validate_group,
                     validate_lr)
@@ -117,8 +117,11 @@ class Planner:
                 backend, idx, plain, _ = grouping.batches[0]
                 deferred = (defer and batch_count == 1 and grouping.defer_check and plain
                             and backend == "fused")
-                if deferred and cache.lookup(optimizer, group, backend,
-                                             self.buffer_names(names, group), key[2]):
+                hit = deferred and cache.lookup(optimizer, group, backend,
+                                                self.buffer_names(names, group), key[2])
+                # State in a dtype of its own is confirmed before each step (its step can be
+                # two kernel calls): never deferred.
+                if hit and not own_state(hit):
                     batch_params, batch_grads = _pick(params, grads, idx)
                     plan.append(PlanItem(group, backend, batch_params, batch_grads, key[2],
                                          layout_ok=True, origin=(gi, grouping, grads)))

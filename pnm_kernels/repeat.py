@@ -40,8 +40,9 @@ class HeldGroup:
 
 def _plan_keys(group: dict, buffer_names: tuple) -> tuple:
     """What decides a group's batches besides its parameters: the backend asked for, the
-    buffers needed (AMSGrad) and the dtype they are kept in."""
-    return group["backend"], group["state_dtype"], buffer_names
+    buffers needed (AMSGrad), the dtype they are kept in and whether bfloat16 parameters
+    round stochastically (another kernel)."""
+    return group["backend"], group["state_dtype"], group["bf16_stochastic_round"], buffer_names
 
 
 class RepeatedStep:
@@ -73,7 +74,7 @@ class RepeatedStep:
             held_batches: list[HeldBatch] = []
             for item, batch in mine:
                 if (not BACKENDS[item.backend].holds_lists or batch.held is None
-                        or batch.held.shards):
+                        or batch.held.shards or batch.held.own_state):
                     return
                 lists, outside = batch.held.step_lists, ()
                 if not every_param_stepped:

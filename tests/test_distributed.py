@@ -6,6 +6,7 @@ import os
 import random
 import sys
 import tempfile
+import warnings
 
 import pytest
 import torch
@@ -215,6 +216,30 @@ def test_two_ranks_match_single_process_training(mode, name):
             got = torch.load(os.path.join(workdir, f"rank{rank}.pt"))
             for p, q in zip(got, expected):
                 torch.testing.assert_close(p, q)
+        if mode.startswith("fsdp-dcp"):  # the two ranks' checkpoint, resharded into one process
+            got = _resumed_in_one_process(name, _state_dtype(mode), workdir)
+            for p, q in zip(got, expected):
+                torch.testing.assert_close(p, q)
+
+
+def _resumed_in_one_process(name, state_dtype, workdir):
+    """The DCP checkpoint the two FSDP2 ranks saved halfway (_checkpoint_round_trip) loaded
+    into one unsharded model and optimizer in this process (another sharding: every int8
+    block and scale row, and each seed, where one process keeps them), trained to the end."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
+
+    model = _model()
+    opt = _make_opt(name, model.parameters(), state_dtype=state_dtype)
+    model_sd, optim_sd = get_state_dict(model, opt)
+    loaded = {"model": model_sd, "optim": optim_sd}
+    with warnings.catch_warnings():  # "torch.distributed is disabled": loading in one process
+        warnings.filterwarnings("ignore", "torch.distributed is disabled")
+        dcp.load(loaded, checkpoint_id=f"{workdir}/ckpt")
+    set_state_dict(model, opt, model_state_dict=loaded["model"], optim_state_dict=loaded["optim"])
+    assert opt.state[next(model.parameters())]["step"].item() == STEPS // 2
+    _train(model, opt, *_data(), range(STEPS // 2, STEPS))
+    return [p.detach() for p in model.parameters()]
 
 
 @pytest.fixture

@@ -2,13 +2,16 @@
 and every state buffer, after every step): the fast paths never step stale or foreign
 memory, and a step that raises has changed nothing."""
 import collections
+import copy
 
 import pytest
 import torch
 
 import cases
 from cases import FAST_PATHS
-from conftest import OPTIMIZERS, assert_states_close, clone_params, grads_for_step, make_params
+from conftest import (OPTIMIZERS, assert_same_bits, assert_states_close, clone_params,
+                      grads_for_step, make_params)
+from internals import triton_only_install
 
 EVERY_PATH = FAST_PATHS + ["reference"]
 
@@ -180,3 +183,95 @@ def test_an_extra_group_key_holding_tensors_may_change_between_steps(path, name)
         for opt in (fast, ref):
             opt.param_groups[0]["masks"] = [torch.ones(3) * t]
         _step_both(fast, params, ref, ref_params, t)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.float32, torch.int8],
+                         ids=["bf16-state", "fp32-state", "int8-state"])
+@cases.parametrize(FAST_PATHS)
+def test_stochastic_rounding_switched_between_steps_is_followed(path, name, state_dtype):
+    """A group's bf16_stochastic_round turned on and off between steps (bfloat16 parameters):
+    each step rounds as the group says then, its lists (cached, or held for a repeated step)
+    rebuilt with seeds or without. Each step equals, bit for bit, the step of a fresh
+    optimizer (nothing cached or held) loaded with the state before it."""
+    params = [p.detach().bfloat16().requires_grad_() for p in make_params([(4, 256), (3, 128)])]
+    opt = OPTIMIZERS[name](params, lr=0.1, backend=path, state_dtype=state_dtype)
+    for t, rounding in enumerate([False, False, True, True, False, True]):
+        fresh_params = clone_params(params)
+        fresh = OPTIMIZERS[name](fresh_params, lr=0.1, backend=path, state_dtype=state_dtype)
+        if t:
+            fresh.load_state_dict(copy.deepcopy(opt.state_dict()))  # not the live tensors
+        for o, ps in ((opt, params), (fresh, fresh_params)):
+            o.param_groups[0]["bf16_stochastic_round"] = rounding
+            for p, g in zip(ps, grads_for_step(ps, t)):
+                p.grad = g
+            o.step()
+        assert_same_bits(opt, params, fresh, fresh_params)
+
+
+def _first_buffer(state):
+    return sorted(k for k in state if k not in ("step", "seed") and not k.endswith("_scale"))[0]
+
+
+# Edits of compressed state (its lists are cached between steps, docs/design.md §5).
+COMPRESSED_EDITS = {
+    "buffer float64": lambda state: setattr(state[_first_buffer(state)], "data",
+                                            state[_first_buffer(state)].data.double()),
+    "buffer transposed": lambda state: setattr(
+        state[_first_buffer(state)], "data", state[_first_buffer(state)].data.t().contiguous().t()),
+    "seed int32": lambda state: setattr(state["seed"], "data", state["seed"].data.int()),
+    "counter int64": lambda state: setattr(state["step"], "data", state["step"].data.long()),
+    "scale shorter": lambda state: setattr(
+        state[_first_buffer(state) + "_scale"], "data",
+        state[_first_buffer(state) + "_scale"].data[:, :1].clone()),
+}
+
+
+@pytest.mark.parametrize("edit", sorted(COMPRESSED_EDITS))
+@pytest.mark.parametrize("state_dtype", [torch.bfloat16, torch.int8], ids=["bf16", "int8"])
+@cases.parametrize(FAST_PATHS)
+def test_compressed_state_given_new_data_steps_as_a_fresh_optimizer(path, name, state_dtype,
+                                                                    edit):
+    """A tensor of compressed state given new data (t.data = ...) under the cached lists:
+    the next step is, bit for bit, that of a fresh optimizer (nothing cached) loaded with the
+    edited state; or both refuse, naming the parameter, and nothing moved."""
+    if edit == "scale shorter" and state_dtype != torch.int8:
+        pytest.skip("bfloat16 state has no scales")
+    _compressed_edit_against_a_fresh_optimizer(path, name, state_dtype, edit)
+
+
+@pytest.mark.parametrize("edit", ["buffer float64", "seed int32", "scale shorter"])
+@cases.parametrize(["triton"])
+def test_compressed_state_given_new_data_without_the_compiled_extension(path, name, edit,
+                                                                        monkeypatch):
+    """The same on a Triton-only install, whose cached lists are confirmed in Python."""
+    triton_only_install(monkeypatch)
+    _compressed_edit_against_a_fresh_optimizer(path, name, torch.int8, edit)
+
+
+def _compressed_edit_against_a_fresh_optimizer(path, name, state_dtype, edit):
+    params = make_params([(4, 256), (3, 128)])
+    opt = OPTIMIZERS[name](params, lr=0.1, backend=path, state_dtype=state_dtype)
+    for t in range(3):
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g
+        opt.step()
+    COMPRESSED_EDITS[edit](opt.state[params[1]])
+    fresh_params = clone_params(params)
+    fresh = OPTIMIZERS[name](fresh_params, lr=0.1, backend=path, state_dtype=state_dtype)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    before = clone_params(params)
+    outcomes = []
+    for o, ps in ((opt, params), (fresh, fresh_params)):
+        for p, g in zip(ps, grads_for_step(ps, 3)):
+            p.grad = g
+        try:
+            o.step()
+            outcomes.append(None)
+        except RuntimeError as e:
+            outcomes.append(str(e))
+    if outcomes[1] is not None:  # the fresh optimizer refused the edited state: so does this one
+        assert outcomes[0] == outcomes[1]
+        assert all(torch.equal(p, b) for p, b in zip(params, before))
+        return
+    assert outcomes[0] is None
+    assert_same_bits(opt, params, fresh, fresh_params)

@@ -31,6 +31,11 @@ class HeldLists:
     step_lists: Any = None  # the C++ copy of the lists (pnm_kernels._C StepLists)
     triton_tables: list = field(default_factory=list)  # [(key, pointers, device tables)]
     triton_blocks_done: Optional[torch.Tensor] = None  # the Triton launch's ticket counter
+    # State in a dtype of its own (docs/design.md §7, §8): its kernels take seeds and scales
+    # too, so no StepLists and no repeated step; `layouts` (hold_layouts) confirms the cached
+    # lists before each step.
+    own_state: bool = False
+    layouts: Any = None
 
 
 @dataclass
@@ -122,7 +127,7 @@ def step_lists(batch: Batch):
     counters, made on first use; None for a batch that is not cached, or without the
     extension. It also holds the batch's blocks_done counter, with which each CUDA launch
     increments the step counters itself (csrc/multi_tensor_apply.h; see new_blocks_done)."""
-    if batch.held is None or extension_error() is not None:
+    if batch.held is None or batch.held.own_state or extension_error() is not None:
         return None
     lists = batch.held.step_lists
     if lists is None:
@@ -143,6 +148,8 @@ def held_lists_ok(batch: Batch) -> bool:
     """Whether a cached batch's tensors still fit each other: a parameter, a buffer or a
     counter given new data (t.data = ...) changes under the held lists, and a kernel must
     never write through a pointer whose tensor was not confirmed for this step."""
+    if own_state(batch):
+        return layouts_unchanged(batch.held.layouts)  # type: ignore[union-attr]
     lists = step_lists(batch)
     if lists is not None:
         return lists.held_lists_ok()
@@ -152,6 +159,33 @@ def held_lists_ok(batch: Batch) -> bool:
     device = batch.params[0].device
     return (all(fits(b, p) for buffers in batch.buffers for p, b in zip(batch.params, buffers))
             and all(counter_fits(s, device) for s in batch.steps))
+
+
+def own_state(batch: Batch) -> bool:
+    """Whether a cached batch keeps state in a dtype of its own (HeldLists.own_state)."""
+    return batch.held is not None and batch.held.own_state
+
+
+def hold_layouts(batch: Batch):
+    """The layouts of every tensor of a batch of state in a dtype of its own (its gradients
+    aside), for layouts_unchanged: the C++ HeldLayouts (a check over thousands of tensors
+    costs ~1 ms there), or without the extension the same in Python."""
+    tensors = [*batch.params, *(b for buffers in batch.buffers for b in buffers), *batch.steps,
+               *batch.seeds, *(s for scales in batch.scales for s in scales if s is not None)]
+    if extension_error() is None:
+        return torch.classes.pnm_kernels.HeldLayouts(tensors)
+    return tensors, [_layout(t) for t in tensors]
+
+
+def layouts_unchanged(layouts) -> bool:
+    if not isinstance(layouts, tuple):
+        return layouts.unchanged()
+    tensors, was = layouts
+    return all(_layout(t) == w for t, w in zip(tensors, was))
+
+
+def _layout(t: torch.Tensor) -> tuple:
+    return t.dtype, t.device, t.layout, t.shape, t.stride()
 
 
 def split_int8(batch: Batch) -> tuple:
