@@ -243,6 +243,35 @@ def test_a_compiled_model_steps_in_backward_as_with_the_ordinary_step():
     _assert_same(*runs[0], *runs[1])
 
 
+def test_a_compiled_training_step_steps_in_backward_as_the_compiled_ordinary_one():
+    """torch.compile of the whole training step (forward, backward, step, zero_grad): the
+    hooks step the buckets eagerly inside backward, and the compiled step() finds nothing
+    left. The compiled ordinary step runs the traced step (foreach ops under inductor), so
+    the two agree to rounding, each parameter stepped once a step."""
+    torch._dynamo.reset()
+    runs = []
+    for in_backward in (False, True):
+        model = _model()
+        opt = AdaPNM(model.parameters(), lr=1e-2)
+        if in_backward:
+            opt.step_in_backward(bucket_mib=0.05)
+
+        @torch.compile
+        def train_step(x):
+            model(x).pow(2).mean().backward()
+            opt.step()
+            opt.zero_grad()
+
+        for x in _batches(4):
+            train_step(x)
+        runs.append((model, opt))
+    (ordinary, ordinary_opt), (model, opt) = runs
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        torch.testing.assert_close(p, q)
+        assert p.grad is None
+        assert int(opt.state[p]["step"]) == int(ordinary_opt.state[q]["step"]) == 4
+
+
 class _FailsInBackward(torch.autograd.Function):
     """Identity forward; its backward raises (an out-of-memory error, say)."""
 
