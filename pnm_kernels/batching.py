@@ -14,7 +14,8 @@ from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .quantization import scale_name
-from .state import BufferShapeError, CodesWithoutScalesError, ParamState, StateWatch, ensure_state
+from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateWatch,
+                    count_replacement, ensure_state)
 
 _MAX_ENTRIES = 64
 
@@ -131,8 +132,8 @@ class BatchCache:
                 "loaded. "
                 "Restart its state with `del optimizer.state[param]`, or load a matching "
                 "state_dict") from None
-        if replaced:
-            self.drop()
+        if replaced:  # an entry may be shared (opt2.state = opt1.state): every cache reads it
+            count_replacement()
         return state
 
 

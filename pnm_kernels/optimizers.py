@@ -112,7 +112,7 @@ class _PositiveNegativeMomentum(Optimizer):
     def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
-        scaling = Scaling(getattr(self, "grad_scale", None), getattr(self, "found_inf", None))
+        scaling = Scaling.of(self)  # raises, naming it, before anything is touched
         if self._in_backward is not None:  # refuses what a step in backward cannot apply
             self._in_backward.before_step(closure, scaling)
         loss = None

@@ -60,6 +60,13 @@ class OptimizerState(_CountsChanges, defaultdict):
         return entry
 
 
+def count_replacement() -> None:
+    """The optimizer replaced a tensor of a state entry (converting it): counted as a change,
+    so that every optimizer sharing the entry builds its lists again."""
+    global _changes
+    _changes += 1
+
+
 def put(state: dict, key, value) -> None:
     """The optimizer's own write into its state: not counted as a change."""
     dict.__setitem__(state, key, value)
@@ -290,7 +297,10 @@ def _ensure_int8_buffers(entry: dict, p, names) -> bool:
                 put(entry, name, torch.empty_like(p, dtype=dtype).copy_(_decoded(entry, name, p)))
                 _pop(entry, key)
                 replaced = True
-            elif buffer is None:
+                continue
+            if scales is not None:  # scales beside a bfloat16 buffer (put there by hand): no
+                _pop(entry, key)    # codes to scale, and the kernels would take them as codes
+            if buffer is None:
                 put(entry, name, torch.zeros_like(p, dtype=dtype))
             elif not buffer_fits(buffer, p, dtype):
                 if buffer.shape != p.shape:

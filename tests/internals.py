@@ -119,6 +119,15 @@ def simulate_cuda_graph_capture(monkeypatch):
         monkeypatch.setattr(module, "capturing", lambda device: True)
 
 
+def unchecked_scaling(monkeypatch):
+    """optimizer.step() hands optimizer.grad_scale/found_inf to the backends as they are,
+    without the check that they are float32 tensors of one element (Scaling.of), so that
+    the kernels' own checks can be reached."""
+    monkeypatch.setattr(base.Scaling, "of", staticmethod(
+        lambda opt: base.Scaling(getattr(opt, "grad_scale", None),
+                                 getattr(opt, "found_inf", None))))
+
+
 def resolve_auto_backend(device, dtype):
     """The backend "auto" picks for parameters of `dtype` on `device`."""
     return backends.resolve_backend("auto", device, dtype)

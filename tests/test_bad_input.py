@@ -11,7 +11,8 @@ import cases
 from cases import FAST_PATHS, OVER_OPTIMIZERS
 from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, make_params, train
 from internals import (extension_unavailable, python_gradient_checks,
-                       simulate_cuda_graph_capture, simulate_triton_graph_capture)
+                       simulate_cuda_graph_capture, simulate_triton_graph_capture,
+                       unchecked_scaling)
 from pnm_kernels import PNM
 
 
@@ -194,9 +195,11 @@ def test_a_parameter_given_data_of_another_shape_raises_before_any_change(path, 
 
 
 @OVER_OPTIMIZERS
-def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name):
+def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name, monkeypatch):
     """The fused kernel checks every argument before it touches anything; when none of the
-    gradients is at fault, its own error reaches the user and nothing has changed."""
+    gradients is at fault, its own error reaches the user and nothing has changed. (A
+    float64 grad_scale, let through the optimizer's own check of it.)"""
+    unchecked_scaling(monkeypatch)
     params = make_params([(5,), (3, 2)])
     opt = OPTIMIZERS[name](params, backend="fused")
     train(opt, params, 3)
@@ -207,6 +210,49 @@ def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name):
         opt.step()
     for p, v, s in zip(params, values, steps):
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+BAD_SCALING = {
+    "float64 grad_scale": ("grad_scale", torch.tensor(2.0, dtype=torch.float64)),
+    "bfloat16 grad_scale": ("grad_scale", torch.tensor(2.0, dtype=torch.bfloat16)),
+    "int64 found_inf": ("found_inf", torch.tensor(0)),
+    "two-element found_inf": ("found_inf", torch.zeros(2)),
+    "float found_inf": ("found_inf", 0.0),
+}
+
+
+@pytest.mark.parametrize("bad", sorted(BAD_SCALING))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_grad_scale_or_found_inf_not_as_grad_scaler_sets_them_is_refused_untouched(path, name,
+                                                                                  bad):
+    """optimizer.grad_scale/found_inf set by hand: anything but a float32 tensor of one
+    element is refused, naming it, before any backend touches anything (the backends used
+    to differ: some stepped, some raised after stepping)."""
+    params = make_params([(4, 256), (5,)])
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.int8)
+    train(opt, params, 2)
+    values = [p.detach().clone() for p in params]
+    attribute, value = BAD_SCALING[bad]
+    setattr(opt, attribute, value.to(DEVICE) if isinstance(value, torch.Tensor) else value)
+    with pytest.raises(ValueError, match=f"optimizer.{attribute} must be a float32 tensor of "
+                                         "one element"):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert all(int(opt.state[p]["step"]) == 2 for p in params)
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_grad_scale_and_found_inf_of_shape_one_step_as_scalars(path, name):
+    """One element of shape (1,) is taken as GradScaler's 0-dim tensors are, on every path."""
+    runs = []
+    for shape in ((), (1,)):
+        params = make_params([(4, 256), (5,)])
+        opt = OPTIMIZERS[name](params, backend=path)
+        opt.grad_scale = torch.full(shape, 4.0, device=DEVICE)
+        opt.found_inf = torch.zeros(shape, device=DEVICE)
+        train(opt, params, 2)
+        runs.append(params)
+    assert all(torch.equal(p, q) for p, q in zip(*runs))
 
 
 @pytest.mark.parametrize("backend", ["foreach", "reference"])

@@ -275,3 +275,55 @@ def _compressed_edit_against_a_fresh_optimizer(path, name, state_dtype, edit):
         return
     assert outcomes[0] is None
     assert_same_bits(opt, params, fresh, fresh_params)
+
+
+@pytest.mark.parametrize("state_dtypes", [(torch.bfloat16, torch.int8), (None, torch.bfloat16)],
+                         ids=["bf16-and-int8", "fp32-and-bf16"])
+@cases.parametrize(FAST_PATHS)
+def test_a_state_shared_by_optimizers_of_other_state_dtypes_is_stepped_where_it_is(
+        path, name, state_dtypes):
+    """opt_b.state = opt_a.state with another state_dtype: b's step converts the shared
+    buffers; a's next step takes them as they are now (converting them back), never the
+    tensors its lists held before (cached, or held for a repeated step): as a fresh
+    optimizer loaded with that state, bit for bit."""
+    params = make_params([(4, 256)])
+    a = OPTIMIZERS[name](params, lr=0.05, backend=path, state_dtype=state_dtypes[0])
+    b = OPTIMIZERS[name](params, lr=0.05, backend=path, state_dtype=state_dtypes[1])
+    for t in range(2):
+        params[0].grad = grads_for_step(params, t)[0]
+        a.step()
+    b.state = a.state
+    params[0].grad = grads_for_step(params, 2)[0]
+    b.step()
+    fresh_params = clone_params(params)
+    fresh = OPTIMIZERS[name](fresh_params, lr=0.05, backend=path, state_dtype=state_dtypes[0])
+    fresh.load_state_dict(copy.deepcopy(a.state_dict()))
+    for o, ps in ((a, params), (fresh, fresh_params)):
+        ps[0].grad = grads_for_step(ps, 3)[0]
+        o.step()
+    assert_same_bits(a, params, fresh, fresh_params)
+
+
+@cases.parametrize(FAST_PATHS)
+def test_scales_put_beside_a_bfloat16_buffer_of_int8_state_are_dropped(path, name):
+    """int8 state keeps bfloat16 buffers where rows are shorter than a block; scales put
+    beside one by hand (a checkpoint of another model, say) are dropped at the next step,
+    which steps every parameter as a fresh optimizer does."""
+    params = make_params([(2, 256), (4, 3), (5, 3)])
+    opt = OPTIMIZERS[name](params, lr=0.05, backend=path, state_dtype=torch.int8)
+    for t in range(2):
+        for p, g in zip(params, grads_for_step(params, t)):
+            p.grad = g
+        opt.step()
+    short = opt.state[params[1]]
+    for key in [k for k in short if k not in ("step", "seed")]:
+        short[key + "_scale"] = torch.ones(4, 1)
+    fresh_params = clone_params(params)
+    fresh = OPTIMIZERS[name](fresh_params, lr=0.05, backend=path, state_dtype=torch.int8)
+    fresh.load_state_dict(copy.deepcopy(opt.state_dict()))
+    for o, ps in ((opt, params), (fresh, fresh_params)):
+        for p, g in zip(ps, grads_for_step(ps, 2)):
+            p.grad = g
+        o.step()
+    assert not any(k.endswith("_scale") for k in opt.state[params[1]])
+    assert_same_bits(opt, params, fresh, fresh_params)

@@ -61,6 +61,22 @@ class Scaling:
     grad_scale: Optional[torch.Tensor] = None
     found_inf: Optional[torch.Tensor] = None
 
+    @staticmethod
+    def of(optimizer) -> "Scaling":
+        """optimizer.grad_scale and found_inf as torch.amp.GradScaler sets them (float32, one
+        element), checked before anything is touched: every backend then reads them alike."""
+        tensors = []
+        for name in ("grad_scale", "found_inf"):
+            t = getattr(optimizer, name, None)
+            if t is not None and not (isinstance(t, torch.Tensor) and t.dtype == torch.float32
+                                      and t.numel() == 1):
+                what = (f"a {t.dtype} tensor of shape {tuple(t.shape)}"
+                        if isinstance(t, torch.Tensor) else type(t).__name__)
+                raise ValueError(f"optimizer.{name} must be a float32 tensor of one element (as "
+                                 f"torch.amp.GradScaler sets it), not {what}")
+            tensors.append(t if t is None or t.dim() == 0 else t.reshape(()))
+        return Scaling(*tensors)
+
     def to(self, device: torch.device) -> "Scaling":
         if self.grad_scale is None and self.found_inf is None:
             return self
