@@ -2,6 +2,7 @@
 
 The lists of parameters, buffers and counters are cached while the parameters with gradients
 and the state stay the same (StateWatch); only the gradients are new each step."""
+import contextlib
 import operator
 from typing import Optional
 
@@ -15,7 +16,7 @@ from .params import (describe, element_offset, holdable, kernel_batch, local, sh
                      shard_of)
 from .quantization import scale_name
 from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateWatch,
-                    count_replacement, ensure_state)
+                    check_state, count_replacement, ensure_state)
 
 _MAX_ENTRIES = 64
 
@@ -41,9 +42,9 @@ class BatchCache:
         hit = self._entries.get(_key(group, backend, names, ids))
         return hit[1] if hit is not None and hit[0] == self.version(optimizer) else None
 
-    def batch(self, optimizer, item, names) -> tuple[Batch, list]:
-        """The kernel-ready lists for a plan item, and the (param, dense copy) pairs to write
-        back after the step."""
+    def reused(self, optimizer, item, names) -> Optional[Batch]:
+        """The kernel-ready lists for a plan item from the cache, confirmed for this step's
+        gradients, or None when they must be built (new_batch)."""
         group, backend, params = item.group, item.backend, item.params
         cached = self.lookup(optimizer, group, backend, names, item.ids)
         grads = item.grads
@@ -65,7 +66,14 @@ class BatchCache:
                 layout_ok = all(map(dense_like, grads, cached.params))
             if layout_ok:
                 return Batch(cached.params, grads, cached.buffers, cached.steps, cached.held,
-                             cached.seeds, cached.offsets, cached.scales), []
+                             cached.seeds, cached.offsets, cached.scales)
+        return None
+
+    def new_batch(self, optimizer, item, names) -> tuple[Batch, list]:
+        """The kernel-ready lists for a plan item, built (its state made or converted where
+        needed) and cached where they can be reused, and the (param, dense copy) pairs to
+        write back after the step."""
+        group, backend, params = item.group, item.backend, item.params
         batch, writebacks, counted = self.build(optimizer, group, params, names,
                                                 BACKENDS[backend].flat)
         shards = not all(map(holdable, params))
@@ -114,27 +122,41 @@ class BatchCache:
         if needs_seed(state_dtype, group["bf16_stochastic_round"], p.dtype):
             places = places or ParameterPlaces(optimizer)
             seed = lambda: places(p)  # noqa: E731  (where it has none)
-        try:
+        with _explained(optimizer, group, p):
             state, replaced = ensure_state(optimizer.state, p, names,
                                            None if p.is_complex() else state_dtype, seed)
-        except CodesWithoutScalesError as e:
-            raise RuntimeError(
-                f"{_describe(optimizer, group, p)}: its state {e.args[0]!r} holds int8 codes "
-                f"but no {scale_name(e.args[0])!r} (their block scales): load the whole "
-                "state_dict the codes came from, or restart the parameter's state with "
-                "`del optimizer.state[param]`") from None
-        except BufferShapeError as e:
-            name, buffer, needed = e.args
-            raise RuntimeError(
-                f"{_describe(optimizer, group, p)}: its state {name!r} has shape "
-                f"{tuple(buffer.shape)}, not {tuple(needed)}: the parameter was given data of "
-                "another shape after its state was made, or a state_dict of another model was "
-                "loaded. "
-                "Restart its state with `del optimizer.state[param]`, or load a matching "
-                "state_dict") from None
         if replaced:  # an entry may be shared (opt2.state = opt1.state): every cache reads it
             count_replacement()
         return state
+
+    def check_states(self, optimizer, item, names) -> None:
+        """Raises, naming the parameter, where building the item's batch would raise on its
+        state, before any state is converted (plan.run asks it of every batch to build)."""
+        for p in item.params:
+            with _explained(optimizer, item.group, p):
+                check_state(optimizer.state, p, names)
+
+
+@contextlib.contextmanager
+def _explained(optimizer, group, p):
+    """The state errors of p, raised again naming p and saying what to do."""
+    try:
+        yield
+    except CodesWithoutScalesError as e:
+        raise RuntimeError(
+            f"{_describe(optimizer, group, p)}: its state {e.args[0]!r} holds int8 codes "
+            f"but no {scale_name(e.args[0])!r} (their block scales): load the whole "
+            "state_dict the codes came from, or restart the parameter's state with "
+            "`del optimizer.state[param]`") from None
+    except BufferShapeError as e:
+        name, buffer, needed = e.args
+        raise RuntimeError(
+            f"{_describe(optimizer, group, p)}: its state {name!r} has shape "
+            f"{tuple(buffer.shape)}, not {tuple(needed)}: the parameter was given data of "
+            "another shape after its state was made, or a state_dict of another model was "
+            "loaded. "
+            "Restart its state with `del optimizer.state[param]`, or load a matching "
+            "state_dict") from None
 
 
 def _key(group, backend, names, ids) -> tuple:

@@ -210,8 +210,13 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     checked) before any runs: a step that raises has not touched a parameter."""
     for item in plan:
         check_capturable(item.backend, item.params[0].device)
-    built = [cache.batch(optimizer, item, planner.buffer_names(names, item.group))
-             for item in plan]
+    item_names = [planner.buffer_names(names, item.group) for item in plan]
+    reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
+    for item, n, batch in zip(plan, item_names, reused):
+        if batch is None:  # what building it would refuse, before any state is converted
+            cache.check_states(optimizer, item, n)
+    built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
+             for item, n, batch in zip(plan, item_names, reused)]
     on_device = {}
     for item, (batch, writebacks) in zip(plan, built):
         device = batch.params[0].device

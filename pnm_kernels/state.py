@@ -187,6 +187,28 @@ def as_seed(seed, p) -> torch.Tensor:
     return torch.tensor(int(seed), dtype=torch.int64, device=p.device)
 
 
+def check_state(state: dict, p, names) -> None:
+    """Raises what ensure_state would raise for p's state (BufferShapeError,
+    CodesWithoutScalesError), touching nothing: a step checks every parameter's state this
+    way before it converts any (another group's state_dtype switched, say)."""
+    entry = state.get(p)
+    if not entry:
+        return
+    for name in names:
+        buffer = entry.get(name)
+        if not isinstance(buffer, torch.Tensor):
+            continue
+        if buffer.shape != p.shape:
+            raise BufferShapeError(name, buffer, p.shape)
+        if buffer.dtype in _CODE_DTYPES:  # decoded wherever they do not fit: scales needed
+            scales = entry.get(quantization.scale_name(name))
+            if scales is None:
+                raise CodesWithoutScalesError(name)
+            if scales.shape != quantization.scales_shape(p.shape):
+                raise BufferShapeError(quantization.scale_name(name), scales,
+                                       quantization.scales_shape(p.shape))
+
+
 def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
                  seed: Optional[Callable[[], int]] = None) -> tuple[dict, bool]:
     """p's state with these buffers (of `dtype`, p's own by default) and a step counter: made

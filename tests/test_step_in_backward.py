@@ -234,13 +234,19 @@ def test_a_compiled_model_steps_in_backward_as_with_the_ordinary_step():
     torch._dynamo.reset()
     runs = []
     for in_backward in (False, True):
-        model = _model()
-        opt = AdaPNM(model.parameters(), lr=1e-2)
-        if in_backward:
-            opt.step_in_backward(bucket_mib=0.05)
+        model, opt = _adapnm(in_backward)
         _train(torch.compile(model), opt, _batches(4))
         runs.append((model, opt))
     _assert_same(*runs[0], *runs[1])
+
+
+def _adapnm(in_backward):
+    """A model and its AdaPNM, stepping in backward (small buckets) or not."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=0.05)
+    return model, opt
 
 
 def test_a_compiled_training_step_steps_in_backward_as_the_compiled_ordinary_one():
@@ -251,10 +257,7 @@ def test_a_compiled_training_step_steps_in_backward_as_the_compiled_ordinary_one
     torch._dynamo.reset()
     runs = []
     for in_backward in (False, True):
-        model = _model()
-        opt = AdaPNM(model.parameters(), lr=1e-2)
-        if in_backward:
-            opt.step_in_backward(bucket_mib=0.05)
+        model, opt = _adapnm(in_backward)
 
         @torch.compile
         def train_step(x):

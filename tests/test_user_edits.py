@@ -10,7 +10,7 @@ import torch
 import cases
 from cases import FAST_PATHS
 from conftest import (OPTIMIZERS, assert_same_bits, assert_states_close, clone_params,
-                      grads_for_step, make_params)
+                      grads_for_step, make_params, train)
 from internals import triton_only_install
 
 EVERY_PATH = FAST_PATHS + ["reference"]
@@ -327,3 +327,32 @@ def test_scales_put_beside_a_bfloat16_buffer_of_int8_state_are_dropped(path, nam
         o.step()
     assert not any(k.endswith("_scale") for k in opt.state[params[1]])
     assert_same_bits(opt, params, fresh, fresh_params)
+
+
+@cases.parametrize(EVERY_PATH)
+def test_a_step_refused_for_one_group_converts_no_state_of_another(path, name):
+    """Group 0's state_dtype switched to int8 and group 1's parameter given data of another
+    shape in the same step: the step refuses, naming group 1's parameter, before group 0's
+    state is converted (an int8 round trip would lose digits); put right, the steps go on
+    as if the refused one had never been tried."""
+    runs = []
+    for refused_first in (True, False):
+        params = make_params([(2, 256), (4, 256)])
+        opt = OPTIMIZERS[name]([dict(params=[params[0]]), dict(params=[params[1]])], lr=0.05,
+                               backend=path, state_dtype=torch.bfloat16)
+        train(opt, params, 2)
+        if refused_first:
+            before = copy.deepcopy(opt.state_dict())
+            opt.param_groups[0]["state_dtype"] = torch.int8
+            kept = params[1].data
+            params[1].data = torch.randn(8, 128)
+            with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\]"):
+                train(opt, params, 1, start=2)
+            after = opt.state_dict()
+            for key, value in before["state"][0].items():
+                assert torch.equal(after["state"][0][key], value), key
+            opt.param_groups[0]["state_dtype"] = torch.bfloat16
+            params[1].data = kept
+        train(opt, params, 2, start=2)
+        runs.append((opt, params))
+    assert_same_bits(*runs[0], *runs[1])
