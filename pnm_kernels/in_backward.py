@@ -9,11 +9,17 @@ stepped inside backward: the first step after `step_in_backward` that follows a 
 pass is an ordinary one (a probe), and the training loop around it shows whether it scales
 the loss (GradScaler), changes the gradients between backward and step (clipping, unscaling
 by hand) or runs several backward passes a step (accumulation: `handle.accumulating()` says
-so). Each of those is refused then, before any parameter moved, naming it."""
+so). Each of those is refused then, before any parameter moved, naming it.
+
+Under DDP a gradient is averaged over the ranks only after autograd's hooks: DDP's parameters
+step in its communication hook instead (in_backward_ddp.py), a bucket once its all-reduce is
+done (waited for when the next bucket is reduced, or at the end of the backward pass), and
+their gradients are dropped at the end of the backward pass, after DDP has written them."""
 import contextlib
 
 import torch
 
+from .in_backward_ddp import ReducedBuckets, managed_by
 from .params import local
 
 
@@ -22,16 +28,21 @@ class StepInBackward:
     block) restores the ordinary step; `accumulating()` marks backward passes whose
     gradients are to be summed, not stepped."""
 
-    def __init__(self, optimizer, bucket_mib: float) -> None:
+    def __init__(self, optimizer, bucket_mib: float, ddp=None) -> None:
         if not (isinstance(bucket_mib, (int, float)) and bucket_mib > 0):
             raise ValueError(f"step_in_backward: bucket_mib must be a positive number of MiB, "
                              f"got {bucket_mib!r}")
         if getattr(optimizer, "_in_backward", None) is not None:
             raise RuntimeError("step_in_backward: this optimizer already steps inside backward "
                                "(remove() its handle first)")
-        refuse_ddp((f"param_groups[{gi}]['params'][{pi}]", p)
-                   for gi, group in enumerate(optimizer.param_groups)
-                   for pi, p in enumerate(group["params"]))
+        if ddp is not None:
+            ReducedBuckets.check(ddp, "step_in_backward")
+        self._reduced_here = managed_by(ddp) if ddp is not None else set()
+        self.refuse_unreduced((f"param_groups[{gi}]['params'][{pi}]", p)
+                              for gi, group in enumerate(optimizer.param_groups)
+                              for pi, p in enumerate(group["params"]))
+        # DDP's parameters step in its communication hook (registered now, kept on the model).
+        self._reduced = ReducedBuckets.of(ddp, "step_in_backward") if ddp is not None else None
         self._optimizer = optimizer
         self._bucket_bytes = bucket_mib * 2**20
         self._probing = True  # the first step is an ordinary one (see the module's docstring)
@@ -48,14 +59,31 @@ class StepInBackward:
         self._ever: dict = {}
         self._since_step: set = set()
         self._hooks: list = []
+        # DDP's buckets: the last one reduced, stepped once the next is (or at the pass's end),
+        # and the parameters stepped in this pass, whose gradients DDP writes at its end.
+        self._owned: set = set()
+        self._reduced_pending: tuple = ()
+        self._reduced_stepped: list = []
+        self._probed: list = []  # the probe's DDP parameters reduced in this pass
+        self._queued: dict = {}  # callback name -> the backward pass it was queued in
         self.watch(p for group in optimizer.param_groups for p in group["params"])
+        if self._reduced is not None:
+            self._reduced.handles.append(self)
         optimizer._in_backward = self
 
     def watch(self, params) -> None:
-        """Hooks on these parameters (those requiring gradients: autograd hooks no other);
-        optimizer.add_param_group calls it for the parameters it adds."""
+        """Hooks on these parameters (those requiring gradients: autograd hooks no other; DDP's
+        step in its communication hook); optimizer.add_param_group calls it for the parameters
+        it adds."""
+        params = list(params)
+        self._owned.update(id(p) for p in params)
         self._hooks += [p.register_post_accumulate_grad_hook(self._ready)
-                        for p in params if p.requires_grad]
+                        for p in params if p.requires_grad and id(p) not in self._reduced_here]
+
+    def refuse_unreduced(self, named_params) -> None:
+        """Refuses, naming it, a plain-tensor parameter that several ranks would step before
+        reducing its gradient: one that no DDP model given to step_in_backward reduces."""
+        refuse_ddp((where, p) for where, p in named_params if id(p) not in self._reduced_here)
 
     # -- the user's side -------------------------------------------------------------------
 
@@ -65,6 +93,9 @@ class StepInBackward:
             hook.remove()
         self._hooks = []
         self._pending = []
+        self._reduced_pending, self._reduced_stepped, self._probed = (), [], []
+        if self._reduced is not None and self in self._reduced.handles:
+            self._reduced.handles.remove(self)  # DDP keeps the hook, which only reduces now
         if getattr(self._optimizer, "_in_backward", None) is self:
             self._optimizer._in_backward = None
 
@@ -91,8 +122,7 @@ class StepInBackward:
         if self._accumulating or grad is None:
             return
         if self._probing:
-            _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
-            self._seen[id(p)] = (p, passes + 1, grad, _fingerprint(grad))
+            self._record(p)
             return
         this_pass = _backward_pass()
         if self._flush_queued and this_pass != self._pass:
@@ -117,13 +147,81 @@ class StepInBackward:
         params, self._pending, self._pending_bytes = self._pending, [], 0
         self._step_and_free(params)
 
-    def _step_and_free(self, params) -> None:
+    def _step_and_free(self, params, free: bool = True) -> None:
         if params:
             self._optimizer._step_only(params)
         for p in params:
-            p.grad = None
+            if free:
+                p.grad = None
             self._ever[id(p)] = p
             self._since_step.add(id(p))
+
+    def _record(self, p) -> None:
+        """The probe saw p's gradient made: how often before the step, and what it was."""
+        _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
+        self._seen[id(p)] = (p, passes + 1, p.grad, _fingerprint(p.grad))
+
+    def _at_end_of_pass(self, name: str, callback) -> bool:
+        """Queues callback for the end of this backward pass, after DDP's own end-of-backward
+        callback (which writes the averaged gradients), unless it is queued already; True if
+        it was queued now (what a failed pass left behind is then stale). DDP queues its
+        callback once the last bucket is reduced, after every hook's call: ours queues the
+        callback from a callback, to run after all those queued before."""
+        this_pass = _backward_pass()
+        if name in self._queued and self._queued[name] == this_pass:
+            return False
+        self._queued[name] = this_pass
+        queue = torch.autograd.Variable._execution_engine.queue_callback
+        queue(lambda: queue(callback))
+        return True
+
+    # -- DDP's side (its communication hook, in_backward_ddp.py) ------------------------------
+
+    def bucket_reducing(self, bucket, reduced) -> None:
+        """DDP is all-reducing this bucket (`reduced`: its future). Its parameters of this
+        optimizer step once it is done: when the next bucket comes, or at the end of the
+        backward pass, which DDP's own end-of-backward callback (queued before any bucket was
+        ready) precedes; the gradients it writes there are then dropped."""
+        mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+                if id(p) in self._owned]
+        if not mine or self._accumulating:
+            return
+        if self._probing:
+            if self._at_end_of_pass("probe", self._probe_recorded):
+                self._probed = []
+            self._probed += [p for p, _ in mine]
+            return
+        if self._at_end_of_pass("reduced", self._reduced_end):
+            # A pass that failed left these (its callback dropped): not stepped, as the
+            # ordinary loop skips the step of a failed backward.
+            self._reduced_pending, self._reduced_stepped = (), []
+        if self._reduced_pending:
+            self._step_reduced(*self._reduced_pending)
+        self._reduced_pending = (mine, reduced)
+
+    def _step_reduced(self, mine, reduced) -> None:
+        reduced.wait()  # on a GPU: the current stream waits for the all-reduce
+        for p, g in mine:
+            if p.grad is not g:  # without gradient_as_bucket_view the average is the bucket's
+                p.grad = g
+        params = [p for p, _ in mine]
+        self._step_and_free(params, free=False)  # DDP writes the gradients at its end
+        self._reduced_stepped += params
+
+    def _reduced_end(self) -> None:
+        self._queued.pop("reduced", None)
+        pending, self._reduced_pending = self._reduced_pending, ()
+        if pending:
+            self._step_reduced(*pending)
+        stepped, self._reduced_stepped = self._reduced_stepped, []
+        for p in stepped:
+            p.grad = None
+
+    def _probe_recorded(self) -> None:
+        self._queued.pop("probe", None)
+        probed, self._probed = self._probed, []
+        for p in probed:  # the gradients DDP wrote
+            self._record(p)
 
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
@@ -181,8 +279,9 @@ class StepInBackward:
 def refuse_ddp(named_params) -> None:
     """Under several ranks a plain-tensor parameter's gradient is this rank's own until DDP
     all-reduces it, after autograd's hooks: stepped in them, each rank would step its own
-    gradient. FSDP2's (DTensor) parameters are fine: FSDP2 calls their hooks itself once it
-    has reduce-scattered their gradients. `named_params`: (where, parameter) pairs."""
+    gradient (step_in_backward(ddp=model) steps DDP's in its communication hook instead).
+    FSDP2's (DTensor) parameters are fine: FSDP2 calls their hooks itself once it has
+    reduce-scattered their gradients. `named_params`: (where, parameter) pairs."""
     if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
         return
     ranks = torch.distributed.get_world_size()
@@ -193,7 +292,8 @@ def refuse_ddp(named_params) -> None:
             raise RuntimeError(
                 f"step_in_backward: {where} is a plain tensor while torch.distributed runs "
                 f"{ranks} ranks: under DDP its gradient would be stepped before DDP "
-                "all-reduces it. Use the ordinary step with DDP, or FSDP2 (fully_shard), whose "
+                "all-reduces it. Pass the DDP model wrapping it (step_in_backward(ddp=model)), "
+                "whose buckets then step once reduced, or use FSDP2 (fully_shard), whose "
                 "sharded parameters step in backward")
 
 

@@ -13,7 +13,7 @@ from . import traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
 from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
-from .in_backward import StepInBackward, refuse_ddp
+from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
 from .state import OptimizerState, as_step, plain_state_entries, put, tracked
@@ -102,8 +102,9 @@ class _PositiveNegativeMomentum(Optimizer):
         handle = getattr(self, "_in_backward", None)
         if handle is not None:  # refused before it is added
             items = [params] if isinstance(params, torch.Tensor) else params or []
-            refuse_ddp((f"{where}['params'][{i}]", item[1] if isinstance(item, tuple) else item)
-                       for i, item in enumerate(items))
+            handle.refuse_unreduced((f"{where}['params'][{i}]",
+                                      item[1] if isinstance(item, tuple) else item)
+                                     for i, item in enumerate(items))
         super().add_param_group(param_group)
         if handle is not None:  # its parameters step in backward too
             handle.watch(self.param_groups[-1]["params"])
@@ -145,7 +146,7 @@ class _PositiveNegativeMomentum(Optimizer):
             self._in_backward.zeroing(set_to_none)
         super().zero_grad(set_to_none)
 
-    def step_in_backward(self, bucket_mib: float = 25.0) -> StepInBackward:
+    def step_in_backward(self, bucket_mib: float = 25.0, ddp=None) -> StepInBackward:
         """Steps each parameter inside backward as soon as its gradient is accumulated, then
         frees the gradient (docs/design.md §9): a model never holds all its gradients. Ready
         parameters are stepped together, about `bucket_mib` MiB of gradients at a time, by
@@ -156,14 +157,16 @@ class _PositiveNegativeMomentum(Optimizer):
         and step (clipping), several backward passes a step (accumulate inside
         ``handle.accumulating()`` instead). Afterwards ``optimizer.step()`` and
         ``zero_grad()`` in the training loop are harmless (nothing is left to step).
-        FSDP2's sharded parameters step once their gradients are reduce-scattered; plain
-        tensors under several torch.distributed ranks are refused (DDP's all-reduce would
-        come after the step).
+        FSDP2's sharded parameters step once their gradients are reduce-scattered. Under
+        DDP pass the model (``ddp=model``): its parameters then step in DDP's communication
+        hook, each of DDP's buckets once its all-reduce is done (the buckets there are DDP's,
+        sized by its ``bucket_cap_mb``); plain tensors under several ranks that no DDP model given
+        reduces are refused (the step would come before the all-reduce).
 
         Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
         restores the ordinary step.
         """
-        return StepInBackward(self, bucket_mib)
+        return StepInBackward(self, bucket_mib, ddp)
 
     @torch.no_grad()
     def _step_only(self, params) -> None:

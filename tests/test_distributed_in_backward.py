@@ -1,19 +1,24 @@
-"""optimizer.step_in_backward() under FSDP2 (docs/design.md §9), on one rank over gloo (or
-NCCL with a GPU): FSDP2 calls its sharded parameters' post-accumulate-grad hooks once it has
-reduce-scattered their gradients, so the shards step in backward, bitwise the ordinary step,
-their gradients freed; micro-batches accumulate; clipping is refused before anything moves.
-Two ranks: the fsdp-in-backward modes of test_distributed.py."""
+"""optimizer.step_in_backward() under FSDP2 and DDP (docs/design.md §9), on one rank over gloo
+(or NCCL with a GPU). FSDP2 calls its sharded parameters' post-accumulate-grad hooks once it
+has reduce-scattered their gradients, so the shards step in backward; DDP's parameters step in
+its communication hook, a bucket once reduced. Either way bitwise the ordinary step, the
+gradients freed; micro-batches accumulate; clipping is refused before anything moves. Several
+ranks: the fsdp-in-backward and ddp-in-backward modes of test_distributed.py."""
 import contextlib
+import os
+import sys
+import tempfile
 
 import pytest
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 from conftest import FAST_PATHS
-from pnm_kernels import PNM, available_backends
+from pnm_kernels import PNM, AdaPNM, available_backends
 # one_rank: the fixture, used by name
-from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _one_rank_model,  # noqa: F401
-                              needs_one_rank_fsdp2, one_rank)
+from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _data, _free_port,  # noqa: F401
+                              _model, _one_rank_model, needs_one_rank_fsdp2, one_rank)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
@@ -114,3 +119,226 @@ def test_fsdp2_gradient_clipping_is_refused_in_backward_before_anything_moves(on
         opt.step()
     assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
     assert not opt.state
+
+
+# -- DDP: the step in its communication hook, each bucket once reduced --------------------------
+
+def _one_rank_ddp_training_in_backward(name, backend, in_backward, as_bucket_views=False,
+                                       state_dtype=None, steps=6):
+    """Steps of a DDP model with buckets of 256 bytes (after DDP's first iteration, which
+    takes one bucket: the last layer's parameters, then the first's, as a bucket is closed once
+    it reaches the cap), zero_grad(set_to_none=False) before every third, stepping inside
+    backward or not. Returns the model, the optimizer, how many buckets stepped inside
+    backward, and whether any parameter held a gradient after a backward pass after the
+    first (the probe's)."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
+                                                    gradient_as_bucket_view=as_bucket_views)
+    opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1, backend=backend,
+                           state_dtype=state_dtype)
+    buckets = _count_buckets(opt)
+    if in_backward:
+        opt.step_in_backward(ddp=ddp)
+    grads_kept = False
+    gen = torch.Generator().manual_seed(1)
+    for t in range(steps):
+        x, y = torch.randn(8, 128, generator=gen), torch.randn(8, 4, generator=gen)
+        opt.zero_grad(set_to_none=t % 3 != 2)
+        torch.nn.functional.mse_loss(ddp(x.to(ONE_RANK_DEVICE)), y.to(ONE_RANK_DEVICE)).backward()
+        grads_kept |= t > 0 and any(p.grad is not None for p in model.parameters())
+        opt.step()
+    return model, opt, buckets, grads_kept
+
+
+def _count_buckets(opt):
+    """Counts the buckets the optimizer steps inside backward (its _step_only calls)."""
+    calls = []
+    step_only = opt._step_only
+    opt._step_only = lambda params: (calls.append(len(params)), step_only(params))
+    return calls
+
+
+def _assert_same_training(model, opt, ordinary, ordinary_opt):
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        assert torch.equal(p, q)
+        for key, value in opt.state[p].items():
+            assert torch.equal(value, ordinary_opt.state[q][key]), key
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["plain", "int8-state"])
+@pytest.mark.parametrize("as_bucket_views", [False, True], ids=["grads", "bucket-views"])
+@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_ddp_steps_in_backward_as_the_ordinary_step_bitwise(one_rank, path, name,
+                                                            as_bucket_views, state_dtype):
+    """step_in_backward(ddp=model): DDP's buckets step in its communication hook once
+    reduced, several a backward pass; after the probe no gradient is left after backward
+    (DDP's are dropped at its end); parameters and state are the ordinary step's bits."""
+    if path == "triton" and state_dtype is not None:
+        pytest.skip("the Triton interpreter's int8 step is covered in test_step_in_backward.py")
+    ordinary, ordinary_opt, _, _ = _one_rank_ddp_training_in_backward(
+        name, path, False, as_bucket_views, state_dtype)
+    model, opt, buckets, grads_kept = _one_rank_ddp_training_in_backward(
+        name, path, True, as_bucket_views, state_dtype)
+    assert not grads_kept
+    assert buckets == [2] * 10  # two buckets of two parameters each step after the probe
+    _assert_same_training(model, opt, ordinary, ordinary_opt)
+
+
+def _one_rank_ddp_accumulation(name, how):
+    """Four steps of two micro-batches each: the ordinary step ("ordinary"), or stepping
+    in backward with the first micro-batch inside DDP's no_sync() ("no-sync": DDP reduces
+    nothing and calls no hook) or inside handle.accumulating() ("accumulating": DDP reduces
+    each micro-batch, the handle steps only the last). Each compared with the ordinary step
+    over the same loop."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
+    opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1, backend="fused")
+    handle = opt.step_in_backward(ddp=ddp) if how.endswith("in-backward") else None
+    xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+    for t in range(STEPS):
+        opt.zero_grad()
+        for micro in range(2):
+            first = micro == 0
+            if how.startswith("no-sync") and first:
+                context = ddp.no_sync()
+            elif how.startswith("accumulating") and first:
+                context = handle.accumulating() if handle else contextlib.nullcontext()
+            else:
+                context = contextlib.nullcontext()
+            with context:
+                x, y = xs[t][micro * 4:(micro + 1) * 4], ys[t][micro * 4:(micro + 1) * 4]
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+        if handle is not None and t > 0:  # after the probe: stepped and dropped in backward
+            assert all(p.grad is None for p in model.parameters())
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()]
+
+
+@pytest.mark.parametrize("how", ["no-sync", "accumulating"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_ddp_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_rank, name, how):
+    if "fused" not in available_backends(ONE_RANK_DEVICE):
+        pytest.skip("pnm_kernels._C is not built")
+    got = _one_rank_ddp_accumulation(name, f"{how}-in-backward")
+    expected = _one_rank_ddp_accumulation(name, how)
+    for p, q in zip(got, expected):
+        assert torch.equal(p, q)
+
+
+def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_rank):
+    """The probe looks at the gradients DDP wrote (the averages), after its end of backward."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = PNM(ddp.parameters(), lr=1e-2)
+    opt.step_in_backward(ddp=ddp)
+    before = [p.detach().clone() for p in model.parameters()]
+    xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+    torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
+    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
+    with pytest.raises(RuntimeError, match="gradient clipping"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state
+
+
+def test_two_optimizers_of_one_ddp_model_each_step_their_parameters_in_backward(one_rank):
+    """DDP takes one communication hook: both optimizers' handles share it, each stepping
+    its own parameters in each bucket; removing one's handle leaves its parameters to its
+    ordinary step. Bitwise the ordinary steps throughout."""
+    runs = []
+    for in_backward in (False, True):
+        model = _model().to(ONE_RANK_DEVICE)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
+        opts = [PNM(model[0].parameters(), lr=1e-2), AdaPNM(model[2].parameters(), lr=1e-3)]
+        handles = [opt.step_in_backward(ddp=ddp) for opt in opts] if in_backward else []
+        xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+        for t in list(range(STEPS)) * 2:
+            if in_backward and t == 2:
+                handles[1].remove()
+            for opt in opts:
+                opt.zero_grad()
+            torch.nn.functional.mse_loss(ddp(xs[t]), ys[t]).backward()
+            for opt in opts:
+                opt.step()
+        runs.append(model)
+    for p, q in zip(runs[0].parameters(), runs[1].parameters()):
+        assert torch.equal(p, q)
+
+
+def test_what_ddp_cannot_step_in_backward_is_refused_naming_it(one_rank):
+    model = _model().to(ONE_RANK_DEVICE)
+    with pytest.raises(TypeError, match="ddp must be the torch.nn.parallel.Distributed"):
+        PNM(model.parameters()).step_in_backward(ddp=model)
+    unused = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
+    with pytest.raises(RuntimeError, match="find_unused_parameters=True"):
+        PNM(model.parameters()).step_in_backward(ddp=unused)
+    hooked = torch.nn.parallel.DistributedDataParallel(_model().to(ONE_RANK_DEVICE))
+    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
+    hooked.register_comm_hook(None, allreduce_hook)
+    with pytest.raises(RuntimeError, match="already has a communication hook"):
+        PNM(hooked.parameters()).step_in_backward(ddp=hooked)
+
+
+def test_under_several_ranks_only_a_ddp_models_parameters_step_in_backward(one_rank,
+                                                                            monkeypatch):
+    """A parameter no DDP model given reduces would step before any all-reduce: refused,
+    naming it, before the hook is registered on the model given."""
+    ddp = torch.nn.parallel.DistributedDataParallel(_model().to(ONE_RANK_DEVICE))
+    stray = torch.nn.Parameter(torch.zeros(3, device=ONE_RANK_DEVICE))
+    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
+    opt = PNM([{"params": ddp.parameters()}, {"params": [stray]}])
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] .*DDP"):
+        opt.step_in_backward(ddp=ddp)
+    assert not getattr(ddp, "_comm_hooks", None)
+    handle = PNM(ddp.parameters()).step_in_backward(ddp=ddp)
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] .*DDP"):
+        handle._optimizer.add_param_group({"params": [stray]})
+
+
+def _three_rank_worker(rank, name, state_dtype, workdir, port):
+    """On each of three gloo ranks, the same DDP training stepping in backward and not;
+    saves whether the two gave the same bits."""
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=3)
+    try:
+        runs = []
+        for in_backward in (False, True):
+            model = _model()
+            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
+            opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1,
+                                   backend="fused", state_dtype=state_dtype)
+            if in_backward:
+                opt.step_in_backward(ddp=ddp)
+            xs, ys = _data()
+            for t in list(range(STEPS)) * 2:  # each rank its own slice of the batch
+                opt.zero_grad()
+                x, y = xs[t][rank * 2:rank * 2 + 3], ys[t][rank * 2:rank * 2 + 3]
+                torch.nn.functional.mse_loss(ddp(x), y).backward()
+                opt.step()
+            runs.append((model, opt))
+        (ordinary, ordinary_opt), (model, opt) = runs
+        same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ordinary.parameters()))
+        same &= all(torch.equal(value, ordinary_opt.state[q][key])
+                    for p, q in zip(model.parameters(), ordinary.parameters())
+                    for key, value in opt.state[p].items())
+        torch.save(same, f"{workdir}/rank{rank}.pt")
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)  # as test_distributed._worker: skip a teardown that sometimes aborts
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["plain", "int8-state"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_three_ddp_ranks_step_in_backward_as_the_ordinary_step_bitwise(name, state_dtype):
+    """Three ranks: DDP's average (each gradient times 1/3, then summed) is not a division
+    by a power of two, so its bits show that the communication hook reduces as DDP's
+    built-in all-reduce does; each rank's parameters and state are the ordinary step's."""
+    if "fused" not in available_backends("cpu"):
+        pytest.skip("pnm_kernels._C is not built")
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_three_rank_worker, args=(name, state_dtype, workdir, _free_port()),
+                 nprocs=3, join=True)
+        assert all(torch.load(f"{workdir}/rank{rank}.pt") for rank in range(3))
