@@ -266,6 +266,49 @@ def test_two_optimizers_of_one_ddp_model_each_step_their_parameters_in_backward(
         assert torch.equal(p, q)
 
 
+def _one_rank_ddp_attached(events, static_graph):
+    """Twelve steps of a DDP model; `events`: step index -> "on" (step_in_backward(ddp=...))
+    or "off" (the handle removed: DDP keeps the hook, which then only reduces). Returns the
+    parameters and the steps after which a gradient was left (the ordinary step's)."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
+                                                    static_graph=static_graph)
+    opt = AdaPNM(ddp.parameters(), lr=1e-3, weight_decay=0.1)
+    xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+    handle, kept = None, []
+    for i, t in enumerate(list(range(STEPS)) * 3):
+        if events.get(i) == "on":
+            handle = opt.step_in_backward(ddp=ddp)
+        elif events.get(i) == "off":
+            handle.remove()
+        opt.zero_grad()
+        torch.nn.functional.mse_loss(ddp(xs[t]), ys[t]).backward()
+        if any(p.grad is not None for p in model.parameters()):
+            kept.append(i)
+        opt.step()
+    return [p.detach().cpu() for p in model.parameters()], kept
+
+
+@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic", "static-graph"])
+@pytest.mark.parametrize("events, ordinary_steps", [
+    ({0: "on"}, [0]),
+    ({3: "on"}, [0, 1, 2, 3]),  # attached mid-training: the probe is step 3
+    ({2: "on", 5: "off", 8: "on"}, [0, 1, 2, 5, 6, 7, 8]),  # removed, then attached again
+], ids=["from-the-start", "mid-training", "removed-and-again"])
+def test_ddp_step_in_backward_attached_and_removed_between_steps(one_rank, events,
+                                                                  ordinary_steps,
+                                                                  static_graph):
+    """DDP(static_graph=True) reduces its first iteration's buckets in its end-of-backward
+    callback: the buckets still step after DDP has written the gradients."""
+    if "fused" not in available_backends(ONE_RANK_DEVICE):
+        pytest.skip("pnm_kernels._C is not built")
+    expected, _ = _one_rank_ddp_attached({}, static_graph=False)
+    got, kept = _one_rank_ddp_attached(events, static_graph)
+    assert kept == ordinary_steps
+    for p, q in zip(got, expected):
+        assert torch.equal(p, q)
+
+
 def test_what_ddp_cannot_step_in_backward_is_refused_naming_it(one_rank):
     model = _model().to(ONE_RANK_DEVICE)
     with pytest.raises(TypeError, match="ddp must be the torch.nn.parallel.Distributed"):
