@@ -195,18 +195,25 @@ def check_state(state: dict, p, names) -> None:
     if not entry:
         return
     for name in names:
-        buffer = entry.get(name)
-        if not isinstance(buffer, torch.Tensor):
-            continue
-        if buffer.shape != p.shape:
-            raise BufferShapeError(name, buffer, p.shape)
-        if buffer.dtype in _CODE_DTYPES:  # decoded wherever they do not fit: scales needed
-            scales = entry.get(quantization.scale_name(name))
-            if scales is None:
-                raise CodesWithoutScalesError(name)
-            if scales.shape != quantization.scales_shape(p.shape):
-                raise BufferShapeError(quantization.scale_name(name), scales,
-                                       quantization.scales_shape(p.shape))
+        if isinstance(entry.get(name), torch.Tensor):
+            _check_buffer(entry, name, p)
+
+
+def _check_buffer(entry: dict, name: str, p) -> None:
+    """The one place of what makes a buffer unusable for p, whichever state_dtype it goes
+    to: another shape (BufferShapeError), int8 codes without scales that fit
+    (CodesWithoutScalesError, or BufferShapeError for the scales). check_state, ensure_state
+    and the decoding of codes all ask here."""
+    buffer = entry[name]
+    if buffer.shape != p.shape:
+        raise BufferShapeError(name, buffer, p.shape)
+    if buffer.dtype in _CODE_DTYPES:
+        scales = entry.get(quantization.scale_name(name))
+        if scales is None:
+            raise CodesWithoutScalesError(name)
+        if scales.shape != quantization.scales_shape(p.shape):
+            raise BufferShapeError(quantization.scale_name(name), scales,
+                                   quantization.scales_shape(p.shape))
 
 
 def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
@@ -248,8 +255,7 @@ def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
             _pop(entry, quantization.scale_name(name))
             replaced = True
         elif not buffer_fits(buffer, p, dtype):
-            if buffer.shape != p.shape:
-                raise BufferShapeError(name, buffer, p.shape)
+            _check_buffer(entry, name, p)
             # Into another state_dtype: rounded to nearest, once (docs/design.md §7).
             put(entry, name, torch.empty_like(p, dtype=dtype).copy_(buffer))
             replaced = True
@@ -271,15 +277,9 @@ def int8_buffer_dtype(p, name: str) -> torch.dtype:
 
 def _decoded(entry: dict, name: str, p) -> torch.Tensor:
     """A buffer's values in float32, shaped like p: int8 codes decoded with their scales."""
-    codes, scales = entry[name], entry.get(quantization.scale_name(name))
-    if scales is None:
-        raise CodesWithoutScalesError(name)
-    if codes.shape != p.shape:
-        raise BufferShapeError(name, codes, p.shape)
-    if scales.shape != quantization.scales_shape(p.shape):
-        raise BufferShapeError(quantization.scale_name(name), scales,
-                               quantization.scales_shape(p.shape))
-    local_codes, local_scales = _local(codes), _local(scales)
+    _check_buffer(entry, name, p)
+    local_codes = _local(entry[name])
+    local_scales = _local(entry[quantization.scale_name(name)])
     values = quantization.dequantize(local_codes, local_scales, quantization.SIGNED[name])
     return _like(p, values)
 
@@ -325,8 +325,7 @@ def _ensure_int8_buffers(entry: dict, p, names) -> bool:
             if buffer is None:
                 put(entry, name, torch.zeros_like(p, dtype=dtype))
             elif not buffer_fits(buffer, p, dtype):
-                if buffer.shape != p.shape:
-                    raise BufferShapeError(name, buffer, p.shape)
+                _check_buffer(entry, name, p)
                 put(entry, name, torch.empty_like(p, dtype=dtype).copy_(buffer))
                 replaced = True
             continue
@@ -334,8 +333,7 @@ def _ensure_int8_buffers(entry: dict, p, names) -> bool:
             put(entry, name, torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format))
             put(entry, key, _zero_scales(p))
             continue
-        if buffer.shape != p.shape:
-            raise BufferShapeError(name, buffer, p.shape)
+        _check_buffer(entry, name, p)
         if scales is not None and codes_fit(buffer, scales, p, dtype):
             continue
         if buffer.dtype in _CODE_DTYPES:  # codes of another kind (a moved parameter's)
