@@ -16,6 +16,7 @@ step in its communication hook instead (in_backward_ddp.py), a bucket once its a
 done (waited for when the next bucket is reduced, or at the end of the backward pass), and
 their gradients are dropped at the end of the backward pass, after DDP has written them."""
 import contextlib
+import weakref
 
 import torch
 
@@ -61,7 +62,7 @@ class StepInBackward:
         self._hooks: list = []
         # DDP's buckets: the last one reduced, stepped once the next is (or at the pass's end),
         # and the parameters stepped in this pass, whose gradients DDP writes at its end.
-        self._owned: set = set()
+        self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
         self._reduced_pending: tuple = ()
         self._reduced_stepped: list = []
         self._probed: list = []  # the probe's DDP parameters reduced in this pass
@@ -75,10 +76,21 @@ class StepInBackward:
         """Hooks on these parameters (those requiring gradients: autograd hooks no other; DDP's
         step in its communication hook); optimizer.add_param_group calls it for the parameters
         it adds."""
-        params = list(params)
-        self._owned.update(id(p) for p in params)
+        new = [p for p in params if not self._is_watched(p)]  # moved between groups: once
+        self._watched.update((id(p), weakref.ref(p)) for p in new)
         self._hooks += [p.register_post_accumulate_grad_hook(self._ready)
-                        for p in params if p.requires_grad and id(p) not in self._reduced_here]
+                        for p in new if p.requires_grad and id(p) not in self._reduced_here]
+
+    def _is_watched(self, p) -> bool:
+        ref = self._watched.get(id(p))
+        return ref is not None and ref() is p
+
+    def _still_stepped(self, params) -> list:
+        """Those of params that are still the optimizer's: one taken out of its groups
+        keeps its hook (autograd's cannot be removed one by one) but neither steps here nor
+        loses its gradient, which is left to whoever steps it now."""
+        owned = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
+        return [p for p in params if id(p) in owned]
 
     def refuse_unreduced(self, named_params) -> None:
         """Refuses, naming it, a plain-tensor parameter that several ranks would step before
@@ -147,7 +159,10 @@ class StepInBackward:
         params, self._pending, self._pending_bytes = self._pending, [], 0
         self._step_and_free(params)
 
-    def _step_and_free(self, params, free: bool = True) -> None:
+    def _step_and_free(self, params, free: bool = True) -> list:
+        """Steps those of params still the optimizer's and frees their gradients (with free);
+        returns them."""
+        params = self._still_stepped(params)
         if params:
             self._optimizer._step_only(params)
         for p in params:
@@ -155,6 +170,7 @@ class StepInBackward:
                 p.grad = None
             self._ever[id(p)] = p
             self._since_step.add(id(p))
+        return params
 
     def _record(self, p) -> None:
         """The probe saw p's gradient made: how often before the step, and what it was."""
@@ -183,7 +199,7 @@ class StepInBackward:
         backward pass, which DDP's own end-of-backward callback (queued before any bucket was
         ready) precedes; the gradients it writes there are then dropped."""
         mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
-                if id(p) in self._owned]
+                if self._is_watched(p)]
         if not mine or self._accumulating:
             return
         if self._probing:
@@ -201,12 +217,13 @@ class StepInBackward:
 
     def _step_reduced(self, mine, reduced) -> None:
         reduced.wait()  # on a GPU: the current stream waits for the all-reduce
+        kept = {id(p) for p in self._still_stepped(p for p, _ in mine)}
+        mine = [(p, g) for p, g in mine if id(p) in kept]
         for p, g in mine:
             if p.grad is not g:  # without gradient_as_bucket_view the average is the bucket's
                 p.grad = g
-        params = [p for p, _ in mine]
-        self._step_and_free(params, free=False)  # DDP writes the gradients at its end
-        self._reduced_stepped += params
+        # DDP writes the gradients at its end: dropped after that (_reduced_end).
+        self._reduced_stepped += self._step_and_free([p for p, _ in mine], free=False)
 
     def _reduced_end(self) -> None:
         self._queued.pop("reduced", None)
@@ -246,8 +263,8 @@ class StepInBackward:
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
         if not self._probing:
             if self._zero_filled:  # what the ordinary step would step with a zero gradient
-                missing = [p for key, p in self._ever.items()
-                           if key not in self._since_step and p.grad is None]
+                missing = self._still_stepped(p for key, p in self._ever.items()
+                                              if key not in self._since_step and p.grad is None)
                 for p in missing:
                     p.grad = torch.zeros_like(p)
                 self._step_and_free(missing)

@@ -19,6 +19,8 @@ from .repeat import RepeatedStep
 from .state import OptimizerState, as_step, plain_state_entries, put, tracked
 
 BACKENDS = BACKEND_NAMES
+# The group keys load_state_dict keeps from the loading optimizer (how it runs).
+_KEPT_ON_LOAD = ("state_dtype", "backend")
 
 
 class _PositiveNegativeMomentum(Optimizer):
@@ -60,13 +62,14 @@ class _PositiveNegativeMomentum(Optimizer):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
         saved = _saved_tensors(state_dict, self.param_groups)
-        # state_dtype says how this optimizer stores its state, not how the run stepped: a
-        # checkpoint's state converts to it (docs/design.md §7), as its tensors move to the
-        # parameters' device.
-        state_dtypes = [group["state_dtype"] for group in self.param_groups]
+        # state_dtype and backend say how this optimizer stores its state and steps, not how
+        # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its
+        # tensors move to the parameters' device, and a checkpoint of a GPU's Triton run
+        # steps on the CPU's fused kernel.
+        kept = [{key: group[key] for key in _KEPT_ON_LOAD} for group in self.param_groups]
         super().load_state_dict(state_dict)  # its state made counted by __setstate__
-        for group, state_dtype in zip(self.param_groups, state_dtypes):
-            group["state_dtype"] = state_dtype
+        for group, own in zip(self.param_groups, kept):
+            group.update(own)
         self._batches.drop()
         for group in self.param_groups:
             for p in group["params"]:

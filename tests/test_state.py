@@ -56,6 +56,28 @@ def test_loading_an_earlier_state_into_the_same_optimizer_rewinds_it(path, name)
 
 
 @OVER_OPTIMIZERS
+def test_loading_keeps_this_optimizers_backend_and_state_dtype(name):
+    """How the saved run stepped is not how this one steps: a checkpoint of a GPU's Triton run
+    with bfloat16 state, loaded into a float32-state optimizer on the reference backend,
+    steps there (its state converted), as a fresh optimizer loaded with it would."""
+    params = make_params([(20,), (4,)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend="reference")
+    train(opt, params, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    for group in saved["param_groups"]:
+        group["backend"], group["state_dtype"] = "triton", torch.bfloat16
+    resumed = clone_params(params)
+    opt2 = OPTIMIZERS[name](resumed, lr=1e-2, backend="reference", state_dtype=torch.float32)
+    opt2.load_state_dict(saved)
+    assert opt2.param_groups[0]["backend"] == "reference"
+    assert opt2.param_groups[0]["state_dtype"] == torch.float32
+    train(opt2, resumed, 2, start=2)
+    train(opt, params, 2, start=2)
+    for p, q in zip(resumed, params):
+        assert torch.equal(p, q)
+
+
+@OVER_OPTIMIZERS
 def test_loads_a_checkpoint_in_the_authors_format(name):
     """The authors' optimizers store step as a Python int and know no maximize/backend."""
     params = make_params([(20,), (4,)])
