@@ -15,8 +15,8 @@ from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .quantization import scale_name
-from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateWatch,
-                    check_state, count_replacement, ensure_state)
+from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, SharedStateError,
+                    StateWatch, check_state, check_unshared, count_replacement, ensure_state)
 
 _MAX_ENTRIES = 64
 
@@ -129,12 +129,15 @@ class BatchCache:
             count_replacement()
         return state
 
-    def check_states(self, optimizer, item, names) -> None:
+    def check_states(self, optimizer, item, names, seen: dict) -> None:
         """Raises, naming the parameter, where building the item's batch would raise on its
-        state, before any state is converted (plan.run asks it of every batch to build)."""
+        state, or its state shares a tensor with another parameter's (`seen`: see
+        check_unshared), before any state is converted (plan.run asks it of every batch to
+        build)."""
         for p in item.params:
             with _explained(optimizer, item.group, p):
                 check_state(optimizer.state, p, names)
+                check_unshared(optimizer.state, p, seen)
 
 
 @contextlib.contextmanager
@@ -157,6 +160,13 @@ def _explained(optimizer, group, p):
             "loaded. "
             "Restart its state with `del optimizer.state[param]`, or load a matching "
             "state_dict") from None
+    except SharedStateError as e:
+        key, other, other_key = e.args
+        raise RuntimeError(
+            f"{_describe(optimizer, group, p)}: its state {key!r} is the very tensor of "
+            f"{_describe_anywhere(optimizer, other)}'s state {other_key!r}: each parameter "
+            "needs state of its own (give it a copy: `.clone()`, or `del optimizer.state[param]` "
+            "to restart it)") from None
 
 
 def _key(group, backend, names, ids) -> tuple:
@@ -188,6 +198,11 @@ def _describe(optimizer, group, p) -> str:
     gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
     pi = next(i for i, q in enumerate(group["params"]) if q is p)
     return describe(p, gi, pi)
+
+
+def _describe_anywhere(optimizer, p) -> str:
+    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
+    return _describe(optimizer, group, p)
 
 
 def _local_or_none(t):

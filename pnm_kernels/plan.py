@@ -212,9 +212,10 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         check_capturable(item.backend, item.params[0].device)
     item_names = [planner.buffer_names(names, item.group) for item in plan]
     reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
+    seen: dict = {}  # the state tensors met: one shared between parameters is refused
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
-            cache.check_states(optimizer, item, n)
+            cache.check_states(optimizer, item, n, seen)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
     on_device = {}

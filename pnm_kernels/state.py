@@ -174,6 +174,11 @@ class CodesWithoutScalesError(RuntimeError):
     """A buffer of int8 codes whose scales are missing (args: the buffer's name)."""
 
 
+class SharedStateError(RuntimeError):
+    """A tensor of a parameter's state that another parameter's state holds too (args: its
+    key, the other parameter, the other's key)."""
+
+
 _CODE_DTYPES = (torch.int8, torch.uint8)
 
 
@@ -197,6 +202,21 @@ def check_state(state: dict, p, names) -> None:
     for name in names:
         if isinstance(entry.get(name), torch.Tensor):
             _check_buffer(entry, name, p)
+
+
+def check_unshared(state: dict, p, seen: dict) -> None:
+    """Raises SharedStateError where a tensor of p's state (a buffer, its counter, seed or
+    scales) is one that another parameter's state in `seen` holds too (an entry or a tensor
+    put under two parameters by hand): each backend would step it another way. `seen`: the
+    tensors met so far, by id, with (parameter, key); a step passes one for all it builds."""
+    entry = state.get(p)
+    if not entry:
+        return
+    for key, value in entry.items():
+        if isinstance(value, torch.Tensor):
+            other, other_key = seen.setdefault(id(value), (p, key))
+            if other is not p:
+                raise SharedStateError(key, other, other_key)
 
 
 def _check_buffer(entry: dict, name: str, p) -> None:

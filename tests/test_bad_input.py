@@ -194,6 +194,41 @@ def test_a_parameter_given_data_of_another_shape_raises_before_any_change(path, 
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
 
 
+def _share_state(opt, params, what):
+    """Puts one tensor (or the whole entry) of params[0]'s state under params[2]'s (the
+    bfloat16 parameter's batch) as a hand-made reset or copy would."""
+    first, other = opt.state[params[0]], opt.state[params[2]]
+    if what == "entry":
+        opt.state[params[2]] = first
+    elif what == "counter":
+        counter = torch.zeros((), dtype=first["step"].dtype, device=DEVICE)
+        first["step"] = other["step"] = counter
+    else:
+        other[what] = first[what]
+
+
+@pytest.mark.parametrize("what", ["counter", "buffer", "entry"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_state_shared_between_parameters_raises_naming_both_before_any_change(path, name,
+                                                                             what):
+    """Each backend would step a shared counter or buffer another way (twice, once, or with
+    the last writer winning): refused, naming both parameters, before any batch (here the
+    float32 one ahead) has stepped."""
+    params = make_params([(4,), (3, 2)]) + make_params([(4,)], dtype=torch.bfloat16)
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.float32)
+    train(opt, params, 3)
+    buffer = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    _share_state(opt, params, buffer if what == "buffer" else what)
+    values = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"params'\]\[2\].* the very tensor of "
+                                           r"param_groups\[0\]\['params'\]\[0\]"):
+        opt.step()
+    for p, v in zip(params, values):
+        assert torch.equal(p, v)
+
+
 @OVER_OPTIMIZERS
 def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name, monkeypatch):
     """The fused kernel checks every argument before it touches anything; when none of the
