@@ -28,6 +28,13 @@ def check_param(param, gi, pi) -> None:
                            "match the parameter")
     if param.is_sparse or param.layout != torch.strided:
         raise RuntimeError(f"{describe(param, gi, pi)} is sparse; not supported")
+    for what, t in (("", param), ("'s gradient", grad)):
+        if t.is_conj() or t.is_neg():  # lazy views the kernels cannot write or read as real
+            raise RuntimeError(
+                f"{describe(param, gi, pi)}{what} is an unresolved "
+                f"{'conjugate' if t.is_conj() else 'negative'} view (from .conj() or "
+                "similar): the step reads and writes memory, so resolve it first "
+                "(`t.data = t.data.resolve_conj().resolve_neg()`)")
 
 
 def check_unique(param_groups) -> None:

@@ -229,6 +229,30 @@ def test_state_shared_between_parameters_raises_naming_both_before_any_change(pa
         assert torch.equal(p, v)
 
 
+@pytest.mark.parametrize("lazy", ["parameter", "gradient"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_an_unresolved_conjugate_view_raises_naming_the_parameter_untouched(path, name, lazy):
+    """`p.data = p.data.conj()` (or a gradient that is one) after steps: the step reads and
+    writes memory, which a lazy conjugate's is not; refused before any group has stepped."""
+    if path == "triton":
+        pytest.skip("Triton steps no complex parameters")
+    params = make_params([(4,)]) + [torch.randn(3, dtype=torch.complex64, device=DEVICE)
+                                     .requires_grad_()]
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], backend=path)
+    train(opt, params, 2)
+    if lazy == "parameter":
+        params[1].data = params[1].data.conj()
+    values = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    if lazy == "gradient":
+        params[1].grad = params[1].grad.conj()
+    with pytest.raises(RuntimeError, match=r"groups\[1\]\['params'\]\[0\].* unresolved conjugate"):
+        opt.step()
+    for p, v in zip(params, values):
+        assert torch.equal(p, v)
+
+
 @OVER_OPTIMIZERS
 def test_a_kernel_refusal_no_gradient_explains_is_raised_untouched(name, monkeypatch):
     """The fused kernel checks every argument before it touches anything; when none of the
