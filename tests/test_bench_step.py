@@ -13,6 +13,7 @@ import torch
 BENCHMARKS = os.path.join(os.path.dirname(__file__), "..", "benchmarks")
 sys.path[:0] = [BENCHMARKS, os.path.join(BENCHMARKS, "examples"),
                 os.path.join(BENCHMARKS, "experiments")]
+import bench_report  # noqa: E402
 import bench_step  # noqa: E402
 from compiled_peer import CompiledAdaPNM, CompiledPNM  # noqa: E402
 from conftest import (DEVICE, NVCC, OPTIMIZERS, clone_params, make_params,  # noqa: E402
@@ -85,7 +86,7 @@ def test_the_default_output_folder_is_ignored_by_git(tmp_path):
 def test_the_figure_gives_every_contender_a_style_and_draws_a_gpu_record(tmp_path):
     """Each contender's ratio to torch's fused step of its family, in two panels; every label
     the benchmark can produce maps to a style and a legend entry."""
-    kinds = {k for k, _, _, _ in bench_step.KINDS}
+    kinds = {k for k, _, _, _ in bench_report.KINDS}
     labels = [label for label, _, _ in bench_step.contenders("cuda", torch.float32)]
     labels += ["PNM[triton]", "AdaPNM[triton]", "pytorch_optimizer.PNM", "torch.AdamW-amsgrad[fused]",
                "torch.AdamW-amsgrad[foreach]", "PNM[reference+torch.compile]",
@@ -93,7 +94,7 @@ def test_the_figure_gives_every_contender_a_style_and_draws_a_gpu_record(tmp_pat
                "PNM[triton,int8 state]", "AdaPNM[triton,bf16 state]", "torchao.AdamW8bit",
                "bitsandbytes.Adam8bit", "bitsandbytes.SGD8bit"]
     peers = set(bench_step.PEERS.values())
-    assert {bench_step.kind_of(label) for label in labels if label not in peers} <= kinds
+    assert {bench_report.kind_of(label) for label in labels if label not in peers} <= kinds
     results = []
     for name, numel in (("tiny2000", 32000), ("flat64M", 1 << 26)):
         for i, label in enumerate(labels):
@@ -105,9 +106,9 @@ def test_the_figure_gives_every_contender_a_style_and_draws_a_gpu_record(tmp_pat
                                 ms=1.0, gbps=1.0, time_vs_torch_fused=0.2 + 0.3 * i))
     info = dict(device="cuda", gpu="Some GPU", cpu="x", threads=8, dtype="bfloat16",
                 torch="2.14.1", triton="3.8.0", pnm_kernels="0.1.0", date="2026-11-27T06:00:00")
-    bench_step.plot(results, info, tmp_path / "f.png")
+    bench_report.plot(results, info, tmp_path / "f.png")
     assert (tmp_path / "f.png").read_bytes()[:4] == b"\x89PNG"
-    assert bench_step.count(1 << 30) == "1.07B" and bench_step.count(32000) == "32K"
+    assert bench_report.count(1 << 30) == "1.07B" and bench_report.count(32000) == "32K"
 
 
 def test_ratios_to_torch_are_paired_round_by_round():
