@@ -197,6 +197,13 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("hold_outside", &pnm::StepLists::hold_outside)
       .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
       .def("bump_versions", &pnm::StepLists::bump_versions);
+  m.class_<pnm::StateLists>("StateLists")
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
+                       std::vector<at::Tensor>, std::vector<int64_t>, std::vector<at::Tensor>,
+                       bool>())
+      .def("pnm_step", &pnm::StateLists::pnm_step)
+      .def("adapnm_step", &pnm::StateLists::adapnm_step);
   m.class_<pnm::HeldLayouts>("HeldLayouts")
       .def(torch::init<std::vector<at::Tensor>>())
       .def("unchanged", &pnm::HeldLayouts::unchanged);

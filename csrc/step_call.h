@@ -297,5 +297,9 @@ void adapnm_int8_step_op(at::TensorList params, at::TensorList grads, at::Tensor
 // registered ops). Impl does not enter the signature.
 using PnmStepFn = decltype(pnm_step_op<void>);
 using AdaPnmStepFn = decltype(adapnm_step_op<void>);
+using PnmStateStepFn = decltype(pnm_state_step_op<void>);
+using AdaPnmStateStepFn = decltype(adapnm_state_step_op<void>);
+using PnmInt8StepFn = decltype(pnm_int8_step_op<void>);
+using AdaPnmInt8StepFn = decltype(adapnm_int8_step_op<void>);
 
 }  // namespace pnm

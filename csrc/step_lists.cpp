@@ -256,6 +256,55 @@ void StepLists::adapnm_step_on(
             decoupled, maximize, lr_tensor, grad_scale, found_inf, blocks_done);
 }
 
+void StateLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr,
+                          double beta1, double beta0, double weight_decay, bool decoupled,
+                          bool maximize, std::optional<at::Tensor> lr_tensor,
+                          std::optional<at::Tensor> grad_scale,
+                          std::optional<at::Tensor> found_inf, bool bf16_stochastic_round) {
+  if (int8) {
+    static const auto op = find_op<PnmInt8StepFn>("pnm_kernels::pnm_int8_step_");
+    static const auto emulated =
+        find_op<PnmInt8StepFn>("pnm_kernels::emulated_cuda_pnm_int8_step_");
+    (emulate ? emulated : op)
+        .call(params, grads, buffer0, buffer1, steps, seeds, offsets, scales, lr, beta1, beta0,
+              weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
+              bf16_stochastic_round);
+    return;
+  }
+  static const auto op = find_op<PnmStateStepFn>("pnm_kernels::pnm_state_step_");
+  static const auto emulated =
+      find_op<PnmStateStepFn>("pnm_kernels::emulated_cuda_pnm_state_step_");
+  (emulate ? emulated : op)
+      .call(params, grads, buffer0, buffer1, steps, seeds, offsets, lr, beta1, beta0,
+            weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
+            bf16_stochastic_round);
+}
+
+void StateLists::adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr,
+                             double beta1, double beta2, double beta0, double eps,
+                             double weight_decay, bool amsgrad, bool decoupled, bool maximize,
+                             std::optional<at::Tensor> lr_tensor,
+                             std::optional<at::Tensor> grad_scale,
+                             std::optional<at::Tensor> found_inf, bool bf16_stochastic_round) {
+  if (int8) {
+    static const auto op = find_op<AdaPnmInt8StepFn>("pnm_kernels::adapnm_int8_step_");
+    static const auto emulated =
+        find_op<AdaPnmInt8StepFn>("pnm_kernels::emulated_cuda_adapnm_int8_step_");
+    (emulate ? emulated : op)
+        .call(params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds, offsets, scales,
+              lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize,
+              lr_tensor, grad_scale, found_inf, bf16_stochastic_round);
+    return;
+  }
+  static const auto op = find_op<AdaPnmStateStepFn>("pnm_kernels::adapnm_state_step_");
+  static const auto emulated =
+      find_op<AdaPnmStateStepFn>("pnm_kernels::emulated_cuda_adapnm_state_step_");
+  (emulate ? emulated : op)
+      .call(params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds, offsets, lr, beta1,
+            beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor,
+            grad_scale, found_inf, bf16_stochastic_round);
+}
+
 HeldLayouts::HeldLayouts(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
   layouts_.reserve(tensors_.size());
   for (const at::Tensor& t : tensors_) {

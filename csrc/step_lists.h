@@ -132,6 +132,39 @@ struct StepLists : torch::CustomClassHolder {
                       const std::optional<at::Tensor>& found_inf);
 };
 
+// The lists of a cached batch of state in a dtype of its own (bfloat16 state, float32 state
+// beside 16-bit parameters, int8 state: docs/design.md §5, §7, §8), held in C++ as StepLists
+// holds a float32 batch's, so that its step converts only its gradients from Python: the
+// parameters, buffers, step counters, seeds, offsets and, for int8 codes, each buffer's scales
+// (buffer after buffer). Each step goes through the registered ops (the same checks and
+// kernels as a direct call); HeldLayouts confirms the held tensors before it.
+struct StateLists : torch::CustomClassHolder {
+  std::vector<at::Tensor> params, buffer0, buffer1, buffer2, buffer3, steps, seeds, scales;
+  std::vector<int64_t> offsets;
+  bool int8;  // the int8 kernel's (with scales); else the state kernel's
+
+  StateLists(std::vector<at::Tensor> params, std::vector<at::Tensor> buffer0,
+             std::vector<at::Tensor> buffer1, std::vector<at::Tensor> buffer2,
+             std::vector<at::Tensor> buffer3, std::vector<at::Tensor> steps,
+             std::vector<at::Tensor> seeds, std::vector<int64_t> offsets,
+             std::vector<at::Tensor> scales, bool int8)
+      : params(std::move(params)), buffer0(std::move(buffer0)), buffer1(std::move(buffer1)),
+        buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)),
+        seeds(std::move(seeds)), scales(std::move(scales)), offsets(std::move(offsets)),
+        int8(int8) {}
+
+  void pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
+                double beta0, double weight_decay, bool decoupled, bool maximize,
+                std::optional<at::Tensor> lr_tensor, std::optional<at::Tensor> grad_scale,
+                std::optional<at::Tensor> found_inf, bool bf16_stochastic_round);
+
+  void adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
+                   double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+                   bool decoupled, bool maximize, std::optional<at::Tensor> lr_tensor,
+                   std::optional<at::Tensor> grad_scale, std::optional<at::Tensor> found_inf,
+                   bool bf16_stochastic_round);
+};
+
 // The tensors of a cached batch of state in a dtype of its own (parameters, buffers, step
 // counters, seeds, int8 scales), held with their layouts as when the batch was built and
 // checked (the optimizer made each to fit its parameter). Python can give any of them new

@@ -33,9 +33,11 @@ class HeldLists:
     triton_blocks_done: Optional[torch.Tensor] = None  # the Triton launch's ticket counter
     # State in a dtype of its own (docs/design.md §7, §8): its kernels take seeds and scales
     # too, so no StepLists and no repeated step; `layouts` (hold_layouts) confirms the cached
-    # lists before each step.
+    # lists before each step. The fused backend's C++ copies of its lists (StateLists), by
+    # the kind of step they were made for.
     own_state: bool = False
     layouts: Any = None
+    state_lists: dict = field(default_factory=dict)
 
 
 @dataclass
@@ -204,11 +206,18 @@ def _layout(t: torch.Tensor) -> tuple:
     return t.dtype, t.device, t.layout, t.shape, t.stride()
 
 
+def int8_parts(batch: Batch) -> tuple:
+    """The indices into an int8-state batch of (the parameters with codes, those whose rows
+    are too short for a block and keep bfloat16 state)."""
+    coded = [i for i, scales in enumerate(batch.scales[0]) if scales is not None]
+    rest = [i for i, scales in enumerate(batch.scales[0]) if scales is None]
+    return coded, rest
+
+
 def split_int8(batch: Batch) -> tuple:
     """An int8-state batch as (the parameters with codes, those whose rows are too short for
     a block and keep bfloat16 state), each a Batch or None where there are none."""
-    coded = [i for i, scales in enumerate(batch.scales[0]) if scales is not None]
-    rest = [i for i, scales in enumerate(batch.scales[0]) if scales is None]
+    coded, rest = int8_parts(batch)
     return (_pick(batch, coded) if coded else None), (_pick(batch, rest) if rest else None)
 
 

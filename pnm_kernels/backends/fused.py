@@ -6,8 +6,8 @@ import torch
 
 from .._ops import extension_error
 from ..hyper import Hyper
-from .base import (Batch, HeldLists, Launch, Scaling, emulating, split_int8, split_lr,
-                   step_lists)
+from .base import (Batch, HeldLists, Launch, Scaling, emulating, int8_parts, split_int8,
+                   split_lr, step_lists)
 
 DTYPES = (torch.float32, torch.float64, torch.float16, torch.bfloat16)
 
@@ -50,10 +50,19 @@ class FusedBackend:
 
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         device = batch.params[0].device
+        own_state = batch.scales or hyper.in_float32(batch.params[0].dtype)
+        if own_state and batch.held is not None and not torch.compiler.is_compiling():
+            # As below for a float32 batch: a cached batch of state in a dtype of its own
+            # (confirmed by BatchCache) steps from the C++ copies of its lists.
+            args = (*_held_step_args(hyper, device, scaling), hyper.bf16_stochastic_round)
+            for indices, lists in _state_lists(batch, hyper):
+                grads = batch.grads if indices is None else [batch.grads[i] for i in indices]
+                (lists.adapnm_step if hyper.adaptive else lists.pnm_step)(grads, *args)
+            return
         if batch.scales:
             _int8_step(batch, hyper, scaling)
             return
-        if hyper.in_float32(batch.params[0].dtype):
+        if own_state:
             _state_step(batch, hyper, scaling)
             return
         if batch.held is not None and not torch.compiler.is_compiling():
@@ -92,6 +101,37 @@ class FusedBackend:
         def launch(scaling: Scaling) -> bool:
             return step(use_taken, *_held_step_args(hyper, device, scaling))
         return launch
+
+
+def _state_lists(batch: Batch, hyper: Hyper) -> list:
+    """The C++ copies (StateLists) of a cached batch of state in a dtype of its own, made on
+    first use, as [(indices into the batch or None for all of it, lists)] in the order they
+    step: an int8 batch's short rows (bfloat16 state) first, then its codes, as _int8_step."""
+    assert batch.held is not None
+    key = (hyper.adaptive, hyper.amsgrad)  # which buffers and scales the kernels take
+    made = batch.held.state_lists.get(key)
+    if made is None:
+        if batch.scales:
+            coded, rest = int8_parts(batch)
+            parts = [(rest, False), (coded, True)]
+        else:
+            parts = [(list(range(len(batch.params))), False)]
+        made = []
+        for indices, int8 in parts:
+            if not indices:
+                continue
+            take = lambda items: [items[i] for i in indices]  # noqa: E731
+            buffers = [take(b) for b in batch.buffers[:hyper.num_buffers]]
+            buffers += [[]] * (4 - len(buffers))  # PNM's two; AdaPNM's three without AMSGrad
+            scales = ([s for slot in batch.scales[:hyper.num_buffers] for s in take(slot)]
+                      if int8 else [])
+            lists = torch.classes.pnm_kernels.StateLists(  # no seeds: nothing rounds randomly
+                take(batch.params), *buffers, take(batch.steps),
+                take(batch.seeds) if batch.seeds else [],
+                take(batch.offsets) if batch.offsets else [], scales, int8)
+            made.append((None if len(indices) == len(batch.params) else indices, lists))
+        batch.held.state_lists[key] = made
+    return made
 
 
 def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
