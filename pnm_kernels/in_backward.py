@@ -13,14 +13,14 @@ so). Each of those is refused then, before any parameter moved, naming it.
 
 Under DDP a gradient is averaged over the ranks only after autograd's hooks: DDP's parameters
 step in its communication hook instead (in_backward_ddp.py), a bucket once its all-reduce is
-done (waited for when the next bucket is reduced, or at the end of the backward pass), and
-their gradients are dropped at the end of the backward pass, after DDP has written them."""
+done, and keep their gradients, as with the ordinary step (DDP's buckets hold them anyway)."""
 import contextlib
 import weakref
 
 import torch
 
-from .in_backward_ddp import ReducedBuckets, managed_by
+from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by
+from .fingerprints import fingerprint, same
 from .params import local
 
 
@@ -52,7 +52,7 @@ class StepInBackward:
         self._pending_bytes = 0
         self._flush_queued = False
         self._pass = None  # the backward pass (graph task) whose end will flush the bucket
-        self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its _fingerprint)
+        self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its fingerprint)
         # zero_grad(set_to_none=False) keeps a zero gradient for every parameter that ever had
         # one, and the ordinary step steps it: the parameters ever stepped, and those since the
         # last step(), to step the others with zeros as it would.
@@ -60,32 +60,28 @@ class StepInBackward:
         self._ever: dict = {}
         self._since_step: set = set()
         self._hooks: list = []
-        # DDP's buckets: the last one reduced, stepped once the next is (or at the pass's end),
-        # and the parameters stepped in this pass, whose gradients DDP writes at its end.
         self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
-        self._reduced_pending: tuple = ()
-        self._reduced_stepped: list = []
-        self._probed: list = []  # the probe's DDP parameters reduced in this pass
-        self._queued: dict = {}  # callback name -> the backward pass it was queued in
         self.watch(p for group in optimizer.param_groups for p in group["params"])
+        # DDP's parameters: stepped in its communication hook, bucket by bucket.
+        self.reduced_steps = ReducedSteps(self) if self._reduced is not None else None
         if self._reduced is not None:
-            self._reduced.handles.append(self)
+            self._reduced.handles.append(self.reduced_steps)
         optimizer._in_backward = self
 
     def watch(self, params) -> None:
         """Hooks on these parameters (those requiring gradients: autograd hooks no other; DDP's
         step in its communication hook); optimizer.add_param_group calls it for the parameters
         it adds."""
-        new = [p for p in params if not self._is_watched(p)]  # moved between groups: once
+        new = [p for p in params if not self.watches(p)]  # moved between groups: once
         self._watched.update((id(p), weakref.ref(p)) for p in new)
         self._hooks += [p.register_post_accumulate_grad_hook(self._ready)
                         for p in new if p.requires_grad and id(p) not in self._reduced_here]
 
-    def _is_watched(self, p) -> bool:
+    def watches(self, p) -> bool:
         ref = self._watched.get(id(p))
         return ref is not None and ref() is p
 
-    def _still_stepped(self, params) -> list:
+    def still_stepped(self, params) -> list:
         """Those of params that are still the optimizer's: one taken out of its groups
         keeps its hook (autograd's cannot be removed one by one) but neither steps here nor
         loses its gradient, which is left to whoever steps it now."""
@@ -95,7 +91,8 @@ class StepInBackward:
     def refuse_unreduced(self, named_params) -> None:
         """Refuses, naming it, a plain-tensor parameter that several ranks would step before
         reducing its gradient: one that no DDP model given to step_in_backward reduces."""
-        refuse_ddp((where, p) for where, p in named_params if id(p) not in self._reduced_here)
+        refuse_ddp(((where, p) for where, p in named_params if id(p) not in self._reduced_here),
+                   ddp_given=self._reduced_here != set())
 
     # -- the user's side -------------------------------------------------------------------
 
@@ -105,9 +102,8 @@ class StepInBackward:
             hook.remove()
         self._hooks = []
         self._pending = []
-        self._reduced_pending, self._reduced_stepped, self._probed = (), [], []
-        if self._reduced is not None and self in self._reduced.handles:
-            self._reduced.handles.remove(self)  # DDP keeps the hook, which only reduces now
+        if self._reduced is not None and self.reduced_steps in self._reduced.handles:
+            self._reduced.handles.remove(self.reduced_steps)  # DDP keeps the hook: it reduces
         if getattr(self._optimizer, "_in_backward", None) is self:
             self._optimizer._in_backward = None
 
@@ -137,14 +133,11 @@ class StepInBackward:
             self._record(p)
             return
         this_pass = _backward_pass()
-        if self._flush_queued and this_pass != self._pass:
-            # The pass that queued the flush failed (autograd dropped its callback): what it
-            # left pending is not stepped, as the ordinary loop skips the step of a failed
-            # backward (its gradients are the user's zero_grad's to clear).
-            self._pending, self._pending_bytes, self._flush_queued = [], 0, False
         self._pending.append(p)
         self._pending_bytes += local(grad).numel() * grad.element_size()  # a shard's own
-        if not self._flush_queued:  # the rest once the whole backward pass is done
+        if not self._flush_queued or this_pass != self._pass:
+            # The rest once the whole backward pass is done; a nested pass (a reentrant
+            # checkpoint's) flushes what is ready when it ends, its outer pass the rest.
             torch.autograd.Variable._execution_engine.queue_callback(self._flush)
             self._flush_queued = True
             self._pass = this_pass
@@ -162,7 +155,7 @@ class StepInBackward:
     def _step_and_free(self, params, free: bool = True) -> list:
         """Steps those of params still the optimizer's and frees their gradients (with free);
         returns them."""
-        params = self._still_stepped(params)
+        params = self.still_stepped(params)
         if params:
             self._optimizer._step_only(params)
         for p in params:
@@ -172,76 +165,44 @@ class StepInBackward:
             self._since_step.add(id(p))
         return params
 
+    def _forget_pending(self) -> None:
+        """What a backward pass that failed left pending (autograd dropped its flush): not
+        stepped here, its gradients left where they are."""
+        self._pending, self._pending_bytes, self._flush_queued = [], 0, False
+
     def _record(self, p) -> None:
         """The probe saw p's gradient made: how often before the step, and what it was."""
+        self.record(p, p.grad, fingerprint(p.grad))
+
+    def record(self, p, grad, bits) -> None:
+        """The probe's record of p's gradient: one more backward pass reached it, and at its
+        end the gradient was `grad` (None: whichever p holds) of these bits (a fingerprint)."""
         _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
-        self._seen[id(p)] = (p, passes + 1, p.grad, _fingerprint(p.grad))
+        self._seen[id(p)] = (p, passes + 1, grad, bits)
 
-    def _at_end_of_pass(self, name: str, callback) -> bool:
-        """Queues callback for the end of this backward pass, after DDP's own end-of-backward
-        callback (which writes the averaged gradients), unless it is queued already; True if
-        it was queued now (what a failed pass left behind is then stale). DDP queues its
-        callback once the last bucket is reduced, after every hook's call: ours queues the
-        callback from a callback, to run after all those queued before."""
-        this_pass = _backward_pass()
-        if name in self._queued and self._queued[name] == this_pass:
-            return False
-        self._queued[name] = this_pass
-        queue = torch.autograd.Variable._execution_engine.queue_callback
-        queue(lambda: queue(callback))
-        return True
+    def saw_reduced(self, p, bits) -> None:
+        """The probe's DDP parameter p: its gradient should hold these bits (of DDP's average)
+        at the step, whichever tensor holds them."""
+        p, passes, grad, _ = self._seen[id(p)]
+        self._seen[id(p)] = (p, passes, grad, (None, bits))
 
-    # -- DDP's side (its communication hook, in_backward_ddp.py) ------------------------------
+    def probing(self) -> bool:
+        return self._probing
 
-    def bucket_reducing(self, bucket, reduced) -> None:
-        """DDP is all-reducing this bucket (`reduced`: its future). Its parameters of this
-        optimizer step once it is done: when the next bucket comes, or at the end of the
-        backward pass, which DDP's own end-of-backward callback (queued before any bucket was
-        ready) precedes; the gradients it writes there are then dropped."""
-        mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
-                if self._is_watched(p)]
-        if not mine or self._accumulating:
-            return
-        if self._probing:
-            if self._at_end_of_pass("probe", self._probe_recorded):
-                self._probed = []
-            self._probed += [p for p, _ in mine]
-            return
-        if self._at_end_of_pass("reduced", self._reduced_end):
-            # A pass that failed left these (its callback dropped): not stepped, as the
-            # ordinary loop skips the step of a failed backward.
-            self._reduced_pending, self._reduced_stepped = (), []
-        if self._reduced_pending:
-            self._step_reduced(*self._reduced_pending)
-        self._reduced_pending = (mine, reduced)
+    def summing(self) -> bool:
+        """Inside accumulating(): backward passes sum their gradients, stepping nothing."""
+        return self._accumulating > 0
 
-    def _step_reduced(self, mine, reduced) -> None:
-        reduced.wait()  # on a GPU: the current stream waits for the all-reduce
-        kept = {id(p) for p in self._still_stepped(p for p, _ in mine)}
-        mine = [(p, g) for p, g in mine if id(p) in kept]
-        for p, g in mine:
-            if p.grad is not g:  # without gradient_as_bucket_view the average is the bucket's
-                p.grad = g
-        # DDP writes the gradients at its end: dropped after that (_reduced_end).
-        self._reduced_stepped += self._step_and_free([p for p, _ in mine], free=False)
-
-    def _reduced_end(self) -> None:
-        self._queued.pop("reduced", None)
-        pending, self._reduced_pending = self._reduced_pending, ()
-        if pending:
-            self._step_reduced(*pending)
-        stepped, self._reduced_stepped = self._reduced_stepped, []
-        for p in stepped:
-            p.grad = None
-
-    def _probe_recorded(self) -> None:
-        self._queued.pop("probe", None)
-        probed, self._probed = self._probed, []
-        for p in probed:  # the gradients DDP wrote
-            self._record(p)
+    def step_bucket(self, params) -> list:
+        """A bucket DDP has reduced: steps those of params still the optimizer's, their
+        gradients kept (DDP holds them); returns them."""
+        return self._step_and_free(params, free=False)
 
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
+        self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
+        if self.reduced_steps is not None:
+            self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
         if set_to_none:  # no gradient left for the ordinary step to step with zeros later
             self._ever = {}
@@ -261,39 +222,53 @@ class StepInBackward:
                 "step_in_backward does not work with torch.amp.GradScaler: an inf found in one "
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
+        self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
         if not self._probing:
             if self._zero_filled:  # what the ordinary step would step with a zero gradient
-                missing = self._still_stepped(p for key, p in self._ever.items()
-                                              if key not in self._since_step and p.grad is None)
+                missing = self.still_stepped(p for key, p in self._ever.items()
+                                              if key not in self._since_step and p.grad is None
+                                              and key not in self._reduced_here)
                 for p in missing:
                     p.grad = torch.zeros_like(p)
                 self._step_and_free(missing)
             self._since_step = set()
+            if self.reduced_steps is not None:  # DDP's last bucket; what stepped kept aside
+                self.reduced_steps.before_step()
             return True  # steps only what still has a gradient (none, in the usual loop)
+        if self.reduced_steps is not None:
+            self.reduced_steps.probed()  # the sums of the gradients DDP reduced
         seen, self._seen = self._seen, {}  # a refused probe is retried afresh
         if not seen:  # no backward pass before this step (a step before training, DCP's
             return True  # state initialisation): the probe is the next one
-        for p, passes, grad, fingerprint in seen.values():
+        for p, passes, grad, seen_bits in seen.values():
             if passes > 1:
                 raise RuntimeError(
                     f"step_in_backward: {passes} backward passes reached a parameter of shape "
                     f"{tuple(p.shape)} before this step: to accumulate gradients, run all "
                     "micro-batches but the last inside `with handle.accumulating():`")
-            if p.grad is not grad or not _same(fingerprint, _fingerprint(grad)):
+            now = p.grad
+            if (now is None or (grad is not None and now is not grad)
+                    or not same(seen_bits, fingerprint(now))):
                 raise RuntimeError(
                     "step_in_backward: a gradient (of a parameter of shape "
                     f"{tuple(p.shape)}) was changed between backward and step (gradient "
-                    "clipping, unscaling or editing by hand), which a step inside backward "
-                    "cannot do: it steps each gradient as soon as it is made. Use the "
-                    "ordinary step")
+                    "clipping, unscaling or editing by hand; or the model is DDP's, and "
+                    "step_in_backward(ddp=model) was not given it), which a step inside "
+                    "backward cannot do: it steps each gradient as soon as it is made. Use "
+                    "the ordinary step")
         self._probing = False
         params = (p for group in self._optimizer.param_groups for p in group["params"])
         self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these
         self._since_step = set()
         return True
 
+    def after_step(self) -> None:
+        """optimizer.step() is done (or raised): DDP's gradients kept aside are back."""
+        if self.reduced_steps is not None:
+            self.reduced_steps.after_step()
 
-def refuse_ddp(named_params) -> None:
+
+def refuse_ddp(named_params, ddp_given: bool = False) -> None:
     """Under several ranks a plain-tensor parameter's gradient is this rank's own until DDP
     all-reduces it, after autograd's hooks: stepped in them, each rank would step its own
     gradient (step_in_backward(ddp=model) steps DDP's in its communication hook instead).
@@ -305,6 +280,12 @@ def refuse_ddp(named_params) -> None:
     if ranks == 1:
         return
     for where, p in named_params:
+        if local(p) is p and ddp_given:
+            raise RuntimeError(
+                f"step_in_backward: {where} is a plain tensor that the DDP model given does "
+                f"not reduce in its buckets (parameters_to_ignore, delay_all_reduce_named_params,"
+                f" or another model's) while torch.distributed runs {ranks} ranks: stepped in "
+                "backward, each rank would step its own gradient. Use the ordinary step")
         if local(p) is p:
             raise RuntimeError(
                 f"step_in_backward: {where} is a plain tensor while torch.distributed runs "
@@ -312,25 +293,6 @@ def refuse_ddp(named_params) -> None:
                 "all-reduces it. Pass the DDP model wrapping it (step_in_backward(ddp=model)), "
                 "whose buckets then step once reduced, or use FSDP2 (fully_shard), whose "
                 "sharded parameters step in backward")
-
-
-def _fingerprint(grad):
-    """What tells whether a gradient changed: its version counter and the sum of its bit
-    patterns. The bits, because in-place foreach ops on a DTensor, as clip_grad_norm_ runs
-    them under FSDP2, bump no counter; not the local shard's counter, which FSDP2's shards
-    share with the other views of one reduce-scatter's output (accumulating into the next
-    parameter's bumps it). The sum is None for a layout without bits."""
-    data = local(grad)
-    if data.layout != torch.strided or data.device.type == "meta":
-        return grad._version, None
-    if data.is_complex():
-        data = torch.view_as_real(data)
-    as_int = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}[data.element_size()]
-    return grad._version, data.view(as_int).sum(dtype=torch.int64)
-
-
-def _same(a, b) -> bool:
-    return a[0] == b[0] and (a[1] is None or torch.equal(a[1], b[1]))
 
 
 def _backward_pass():

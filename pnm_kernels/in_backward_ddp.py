@@ -2,11 +2,18 @@
 bucket's gradients after autograd's hooks have run, so the step cannot run in them; it runs
 in DDP's communication hook instead, after the bucket's all-reduce. DDP takes one hook per
 model, once, for good: `ReducedBuckets` is that hook, kept on the model, and reduces exactly
-as DDP's built-in reduction does (each gradient times 1 / world size, then summed: the same
-bits), whether or not a StepInBackward handle is attached to it now (one per optimizer of
-the model's parameters)."""
+as DDP's built-in reduction does, whether or not an optimizer's `ReducedSteps` is attached to
+it now (one per optimizer of the model's parameters).
+
+The gradients are left as DDP leaves them (its buckets hold them anyway): what the ordinary
+loop's zero_grad and the next backward pass do with them is then unchanged, and with it the
+reduction's bits. The parameters stepped inside backward are set aside from step()."""
+import weakref
+
 import torch
 import torch.distributed as dist
+
+from .fingerprints import fingerprint
 
 
 class ReducedBuckets:
@@ -16,10 +23,20 @@ class ReducedBuckets:
     reduces."""
 
     def __init__(self, ddp) -> None:
-        self.handles: list = []  # the StepInBackward handles stepping these buckets
+        self.handles: list = []  # the ReducedSteps stepping these buckets
         group = ddp.process_group if ddp.process_group is not None else dist.group.WORLD
         assert group is not None  # DDP was constructed: torch.distributed is initialised
         self._group = group
+        self._ddp = weakref.ref(ddp)
+        # Where autograd accumulated each gradient this pass: in its bucket view already (DDP
+        # then divides it in place) or elsewhere (DDP copies it, times the reciprocal).
+        self._accumulated_at: dict = {}
+        managed = managed_by(ddp)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._accumulated)
+                       for p in ddp.module.parameters() if id(p) in managed]
+
+    def _accumulated(self, p) -> None:
+        self._accumulated_at[id(p)] = p.grad.data_ptr()
 
     @staticmethod
     def check(ddp, where: str) -> None:
@@ -35,6 +52,12 @@ class ReducedBuckets:
                 "zeros for parameters no rank used, which the ordinary step skips (they have "
                 "no gradient) and a bucket's step cannot tell from the used ones. Construct "
                 "DDP without it, or use the ordinary step")
+        for name, p in ddp.module.named_parameters():
+            if p.requires_grad and p.is_complex():
+                raise RuntimeError(
+                    f"{where}: the DDP model's parameter {name!r} is complex, whose gradient a "
+                    "communication hook cannot see whole (GradBucket.gradients() gives half "
+                    "its real view); use the ordinary step")
         hook = getattr(ddp, "_pnm_reduced_buckets", None)
         if hook is None and getattr(ddp, "_comm_hooks", None):
             raise RuntimeError(
@@ -59,21 +82,124 @@ class ReducedBuckets:
         return hook
 
     def reduce(self, state, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
-        """DDP's average of the bucket (the built-in reduction's bits: times the reciprocal of
-        the world size, then an all-reduce sum), handed to the attached handle."""
-        buffer = bucket.buffer()
-        buffer.mul_(1.0 / self._group.size())
-        reduced = dist.all_reduce(buffer, group=self._group, async_op=True).get_future()
+        """DDP's average of the bucket, handed to the attached handles. The built-in
+        reduction's bits: it multiplies a gradient by the reciprocal of the world size as it
+        copies it into the bucket, but divides one that already is its bucket view (DDP's
+        gradient_as_bucket_view, once a gradient was kept) in place; a hook gets the copies
+        undivided, so each gradient is scaled here as DDP would have, then all summed."""
+        ddp = self._ddp()
+        join = getattr(ddp, "_join_config", None)
+        if (join is not None and join.enable
+                and not getattr(ddp, "_divide_by_initial_world_size", True)):
+            # Raised by every rank (each is in the Join), before any all-reduce.
+            raise RuntimeError(
+                "step_in_backward(ddp=model) under Join(divide_by_initial_world_size=False): "
+                "DDP divides by the ranks not yet joined, which its hook cannot know; use "
+                "divide_by_initial_world_size=True, or the ordinary step")
+        ranks = self._group.size()
+        for p, grad in zip(bucket.parameters(), bucket.gradients()):
+            if self._accumulated_at.pop(id(p), None) == grad.data_ptr():
+                grad.div_(ranks)
+            else:
+                grad.mul_(1.0 / ranks)
+        reduced = dist.all_reduce(bucket.buffer(), group=self._group, async_op=True).get_future()
         for handle in self.handles:
-            handle.bucket_reducing(bucket, reduced)
+            handle.bucket(bucket, reduced)
         return reduced.then(lambda done: done.value()[0])
+
+
+class ReducedSteps:
+    """One optimizer's side of a DDP model's ReducedBuckets: its parameters in each bucket
+    step once the bucket's all-reduce is done, waited for when the next bucket comes (the
+    last one in step()), through the handle's ordinary bucket step. The gradients stay: step()
+    sets the parameters already stepped aside (their gradients hidden for its ordinary step,
+    then put back), so the ordinary step steps only the rest."""
+
+    def __init__(self, handle) -> None:
+        self._handle = handle
+        self._pending: tuple = ()  # (the optimizer's (param, gradient) pairs, the future)
+        self._stepped: dict = {}  # id(p) -> p, stepped inside backward since the last step()
+        self._set_aside: list = []  # (p, its gradient) while step() runs
+        self._sums: list = []  # the probe's: futures of the averaged gradients' bit sums
+
+    def bucket(self, bucket, reduced) -> None:
+        """DDP is all-reducing this bucket (`reduced`: its future)."""
+        handle = self._handle
+        if _backward_pass() == -1:  # a joined rank's shadow all-reduce (Join): no gradient
+            return
+        mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
+                if handle.watches(p)]
+        if not mine or handle.summing():  # reduced and kept, as the ordinary loop's
+            return
+        if handle.probing():
+            for p, _ in mine:
+                handle.record(p, None, None)  # a pass reached it; its bits once reduced:
+            self._sums.append(reduced.then(
+                lambda _: [(p, fingerprint(g)[1]) for p, g in mine]))
+            return
+        if self._pending:
+            self._step(*self._pending)
+        self._pending = (mine, reduced)
+
+    def _step(self, mine, reduced) -> None:
+        reduced.wait()  # on a GPU: the current stream waits for the all-reduce
+        kept = {id(p) for p in self._handle.still_stepped(p for p, _ in mine)}
+        mine = [(p, g) for p, g in mine if id(p) in kept]
+        swapped = [(p, p.grad) for p, g in mine if not _same_memory(p.grad, g)]
+        try:
+            for p, g in mine:  # the average: the bucket's (DDP copies it into .grad later)
+                p.grad = g
+            stepped = self._handle.step_bucket([p for p, _ in mine])
+        finally:
+            for p, grad in swapped:
+                p.grad = grad
+        self._stepped.update((id(p), p) for p in stepped)
+
+    def before_step(self) -> None:
+        """step() after a backward pass: its last bucket steps, then what stepped inside
+        backward is set aside from the ordinary step."""
+        if self._pending:
+            pending, self._pending = self._pending, ()
+            self._step(*pending)
+        stepped, self._stepped = self._stepped, {}
+        self._set_aside = [(p, p.grad) for p in stepped.values() if p.grad is not None]
+        for p, _ in self._set_aside:
+            p.grad = None
+
+    def after_step(self) -> None:
+        for p, grad in self._set_aside:
+            p.grad = grad
+        self._set_aside = []
+
+    def zeroing(self) -> None:
+        """zero_grad() before any step(): a pass (failed, or whose step was skipped) leaves
+        its last bucket unstepped, as the ordinary loop would."""
+        self._pending, self._stepped = (), {}
+
+    def probed(self) -> None:
+        """The probe's step: the bit sums of the averages DDP reduced (which it copies into
+        the gradients, bumping their versions) as what the gradients should still hold."""
+        sums, self._sums = self._sums, []
+        for done in torch.futures.wait_all(sums):
+            for p, bits in done:
+                self._handle.saw_reduced(p, bits)
+
+
+def _same_memory(a, b) -> bool:
+    return (a is not None and a.data_ptr() == b.data_ptr() and a.dtype == b.dtype
+            and a.shape == b.shape and a.stride() == b.stride())
 
 
 def managed_by(ddp) -> set:
     """The ids of the parameters whose gradients this DDP model reduces."""
     ignored = getattr(ddp, "parameters_to_ignore", ()) or ()
+    delayed = {id(p) for p in getattr(ddp, "_delay_all_reduce_params", ()) or ()}
     return {id(p) for name, p in ddp.module.named_parameters()
-            if p.requires_grad and name not in ignored}
+            if p.requires_grad and name not in ignored and id(p) not in delayed}
 
 
-__all__ = ["ReducedBuckets", "managed_by"]
+def _backward_pass() -> int:
+    current = getattr(torch._C, "_current_graph_task_id", None)
+    return 0 if current is None else current()
+
+__all__ = ["ReducedBuckets", "ReducedSteps", "managed_by"]

@@ -50,7 +50,9 @@ class _PositiveNegativeMomentum(Optimizer):
     def __setstate__(self, state):
         super().__setstate__(state)
         self.state = tracked(self.state)
+        handle = getattr(self, "_in_backward", None)  # load_state_dict comes here too
         self._new_step_paths()
+        self._in_backward = handle
         for group in self.param_groups:  # groups saved before a key existed get its default
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -117,8 +119,16 @@ class _PositiveNegativeMomentum(Optimizer):
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
         scaling = Scaling.of(self)  # raises, naming it, before anything is touched
-        if self._in_backward is not None:  # refuses what a step in backward cannot apply
-            self._in_backward.before_step(closure, scaling)
+        handle = self._in_backward
+        if handle is None:
+            return self._step(closure, scaling)
+        handle.before_step(closure, scaling)  # refuses what a step in backward cannot apply
+        try:
+            return self._step(closure, scaling)
+        finally:
+            handle.after_step()
+
+    def _step(self, closure, scaling: Scaling):
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -162,9 +172,10 @@ class _PositiveNegativeMomentum(Optimizer):
         ``zero_grad()`` in the training loop are harmless (nothing is left to step).
         FSDP2's sharded parameters step once their gradients are reduce-scattered. Under
         DDP pass the model (``ddp=model``): its parameters then step in DDP's communication
-        hook, each of DDP's buckets once its all-reduce is done (the buckets there are DDP's,
-        sized by its ``bucket_cap_mb``); plain tensors under several ranks that no DDP model given
-        reduces are refused (the step would come before the all-reduce).
+        hook, each of DDP's buckets once its all-reduce is done (DDP's buckets, sized by its
+        ``bucket_cap_mb``; the gradients kept, as DDP's buckets hold them anyway); plain
+        tensors under several ranks that no DDP model given reduces are refused (the step
+        would come before the all-reduce).
 
         Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
         restores the ordinary step.

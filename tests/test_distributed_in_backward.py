@@ -128,9 +128,8 @@ def _one_rank_ddp_training_in_backward(name, backend, in_backward, as_bucket_vie
     """Steps of a DDP model with buckets of 256 bytes (after DDP's first iteration, which
     takes one bucket: the last layer's parameters, then the first's, as a bucket is closed once
     it reaches the cap), zero_grad(set_to_none=False) before every third, stepping inside
-    backward or not. Returns the model, the optimizer, how many buckets stepped inside
-    backward, and whether any parameter held a gradient after a backward pass after the
-    first (the probe's)."""
+    backward or not. Returns the model, the optimizer, and the buckets stepped as
+    (parameters, inside backward?)."""
     model = _model().to(ONE_RANK_DEVICE)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
                                                     gradient_as_bucket_view=as_bucket_views)
@@ -139,28 +138,36 @@ def _one_rank_ddp_training_in_backward(name, backend, in_backward, as_bucket_vie
     buckets = _count_buckets(opt)
     if in_backward:
         opt.step_in_backward(ddp=ddp)
-    grads_kept = False
     gen = torch.Generator().manual_seed(1)
     for t in range(steps):
         x, y = torch.randn(8, 128, generator=gen), torch.randn(8, 4, generator=gen)
         opt.zero_grad(set_to_none=t % 3 != 2)
         torch.nn.functional.mse_loss(ddp(x.to(ONE_RANK_DEVICE)), y.to(ONE_RANK_DEVICE)).backward()
-        grads_kept |= t > 0 and any(p.grad is not None for p in model.parameters())
         opt.step()
-    return model, opt, buckets, grads_kept
+    return model, opt, buckets
 
 
 def _count_buckets(opt):
-    """Counts the buckets the optimizer steps inside backward (its _step_only calls)."""
+    """The buckets the optimizer steps by themselves (its _step_only calls), as (how many
+    parameters, inside a backward pass?)."""
     calls = []
     step_only = opt._step_only
-    opt._step_only = lambda params: (calls.append(len(params)), step_only(params))
+
+    def counted(params):
+        calls.append((len(params), torch._C._current_graph_task_id() != -1))
+        step_only(params)
+    opt._step_only = counted
     return calls
 
 
-def _assert_same_training(model, opt, ordinary, ordinary_opt):
+def _assert_same_training(model, opt, ordinary, ordinary_opt, grads=True):
+    """Parameters, state and (DDP's, left as with the ordinary step) the gradients: the
+    ordinary step's bits."""
     for p, q in zip(model.parameters(), ordinary.parameters()):
         assert torch.equal(p, q)
+        if grads:
+            assert (p.grad is None) == (q.grad is None)
+            assert p.grad is None or torch.equal(p.grad, q.grad)
         for key, value in opt.state[p].items():
             assert torch.equal(value, ordinary_opt.state[q][key]), key
 
@@ -172,16 +179,17 @@ def _assert_same_training(model, opt, ordinary, ordinary_opt):
 def test_ddp_steps_in_backward_as_the_ordinary_step_bitwise(one_rank, path, name,
                                                             as_bucket_views, state_dtype):
     """step_in_backward(ddp=model): DDP's buckets step in its communication hook once
-    reduced, several a backward pass; after the probe no gradient is left after backward
-    (DDP's are dropped at its end); parameters and state are the ordinary step's bits."""
+    reduced (the last one in step(), once its all-reduce is waited for); the gradients stay
+    as DDP leaves them; parameters, state and gradients are the ordinary step's bits."""
     if path == "triton" and state_dtype is not None:
         pytest.skip("the Triton interpreter's int8 step is covered in test_step_in_backward.py")
-    ordinary, ordinary_opt, _, _ = _one_rank_ddp_training_in_backward(
+    ordinary, ordinary_opt, _ = _one_rank_ddp_training_in_backward(
         name, path, False, as_bucket_views, state_dtype)
-    model, opt, buckets, grads_kept = _one_rank_ddp_training_in_backward(
+    model, opt, buckets = _one_rank_ddp_training_in_backward(
         name, path, True, as_bucket_views, state_dtype)
-    assert not grads_kept
-    assert buckets == [2] * 10  # two buckets of two parameters each step after the probe
+    # After the probe, two buckets of two parameters a step: one inside backward, the last
+    # in step().
+    assert buckets == [(2, True), (2, False)] * 5
     _assert_same_training(model, opt, ordinary, ordinary_opt)
 
 
@@ -209,8 +217,6 @@ def _one_rank_ddp_accumulation(name, how):
             with context:
                 x, y = xs[t][micro * 4:(micro + 1) * 4], ys[t][micro * 4:(micro + 1) * 4]
                 torch.nn.functional.mse_loss(ddp(x), y).backward()
-        if handle is not None and t > 0:  # after the probe: stepped and dropped in backward
-            assert all(p.grad is None for p in model.parameters())
         opt.step()
     return [p.detach().cpu() for p in model.parameters()]
 
@@ -226,14 +232,19 @@ def test_ddp_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_rank
         assert torch.equal(p, q)
 
 
-def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_rank):
-    """The probe looks at the gradients DDP wrote (the averages), after its end of backward."""
+def _ddp_stepping_in_backward():
+    """A DDP model whose PNM steps inside backward, its parameters as they start, the data."""
     model = _model().to(ONE_RANK_DEVICE)
     ddp = torch.nn.parallel.DistributedDataParallel(model)
     opt = PNM(ddp.parameters(), lr=1e-2)
     opt.step_in_backward(ddp=ddp)
     before = [p.detach().clone() for p in model.parameters()]
-    xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+    return model, ddp, opt, before, [t.to(ONE_RANK_DEVICE) for t in _data()]
+
+
+def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_rank):
+    """The probe compares the gradients with the bits of the averages DDP reduced."""
+    model, ddp, opt, before, (xs, ys) = _ddp_stepping_in_backward()
     torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
     torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
     with pytest.raises(RuntimeError, match="gradient clipping"):
@@ -269,29 +280,33 @@ def test_two_optimizers_of_one_ddp_model_each_step_their_parameters_in_backward(
 def _one_rank_ddp_attached(events, static_graph):
     """Twelve steps of a DDP model; `events`: step index -> "on" (step_in_backward(ddp=...))
     or "off" (the handle removed: DDP keeps the hook, which then only reduces). Returns the
-    parameters and the steps after which a gradient was left (the ordinary step's)."""
+    parameters and the steps that stepped no bucket inside backward (ordinary steps)."""
     model = _model().to(ONE_RANK_DEVICE)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
                                                     static_graph=static_graph)
     opt = AdaPNM(ddp.parameters(), lr=1e-3, weight_decay=0.1)
+    buckets = _count_buckets(opt)
     xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
-    handle, kept = None, []
+    handle, ordinary = None, []
     for i, t in enumerate(list(range(STEPS)) * 3):
         if events.get(i) == "on":
             handle = opt.step_in_backward(ddp=ddp)
         elif events.get(i) == "off":
             handle.remove()
         opt.zero_grad()
+        before = len(buckets)
         torch.nn.functional.mse_loss(ddp(xs[t]), ys[t]).backward()
-        if any(p.grad is not None for p in model.parameters()):
-            kept.append(i)
+        if len(buckets) == before:
+            ordinary.append(i)
         opt.step()
-    return [p.detach().cpu() for p in model.parameters()], kept
+    return [p.detach().cpu() for p in model.parameters()], ordinary
 
 
-@pytest.mark.parametrize("static_graph", [False, True], ids=["dynamic", "static-graph"])
+@pytest.mark.parametrize("static_graph", ["dynamic", "static-graph"])
 @pytest.mark.parametrize("events, ordinary_steps", [
-    ({0: "on"}, [0]),
+    # With static_graph DDP keeps one bucket a step for two iterations, not one: step 1's
+    # only bucket is its last, stepped in step().
+    ({0: "on"}, {"dynamic": [0], "static-graph": [0, 1]}),
     ({3: "on"}, [0, 1, 2, 3]),  # attached mid-training: the probe is step 3
     ({2: "on", 5: "off", 8: "on"}, [0, 1, 2, 5, 6, 7, 8]),  # removed, then attached again
 ], ids=["from-the-start", "mid-training", "removed-and-again"])
@@ -303,8 +318,10 @@ def test_ddp_step_in_backward_attached_and_removed_between_steps(one_rank, event
     if "fused" not in available_backends(ONE_RANK_DEVICE):
         pytest.skip("pnm_kernels._C is not built")
     expected, _ = _one_rank_ddp_attached({}, static_graph=False)
-    got, kept = _one_rank_ddp_attached(events, static_graph)
-    assert kept == ordinary_steps
+    got, ordinary = _one_rank_ddp_attached(events, static_graph == "static-graph")
+    if isinstance(ordinary_steps, dict):
+        ordinary_steps = ordinary_steps[static_graph]
+    assert ordinary == ordinary_steps  # the others stepped a bucket inside backward
     for p, q in zip(got, expected):
         assert torch.equal(p, q)
 
@@ -316,6 +333,11 @@ def test_what_ddp_cannot_step_in_backward_is_refused_naming_it(one_rank):
     unused = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
     with pytest.raises(RuntimeError, match="find_unused_parameters=True"):
         PNM(model.parameters()).step_in_backward(ddp=unused)
+    complex_model = torch.nn.Linear(2, 2, bias=False).to(ONE_RANK_DEVICE)
+    complex_model.weight.data = complex_model.weight.data.to(torch.complex64)
+    with_complex = torch.nn.parallel.DistributedDataParallel(complex_model)
+    with pytest.raises(RuntimeError, match="parameter 'weight' is complex"):
+        PNM(with_complex.parameters()).step_in_backward(ddp=with_complex)
     hooked = torch.nn.parallel.DistributedDataParallel(_model().to(ONE_RANK_DEVICE))
     from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
     hooked.register_comm_hook(None, allreduce_hook)
@@ -339,28 +361,44 @@ def test_under_several_ranks_only_a_ddp_models_parameters_step_in_backward(one_r
         handle._optimizer.add_param_group({"params": [stray]})
 
 
-def _three_rank_worker(rank, name, state_dtype, workdir, port):
+def _three_rank_training(rank, name, state_dtype, how, in_backward):
+    """One rank's DDP training of three. how: "grads" (DDP's own gradients, set to None
+    between steps), "kept-zero-views" (gradients as bucket views zeroed in place: DDP then
+    divides them in the bucket instead of multiplying as it copies), "accumulating" (two
+    micro-batches a step, the first inside handle.accumulating()), "join" (uneven inputs
+    under DDP's Join: rank r trains 6 + r steps, the joined ranks shadowing the rest)."""
+    from torch.distributed.algorithms.join import Join
+
+    model = _model()
+    ddp = torch.nn.parallel.DistributedDataParallel(
+        model, bucket_cap_mb=2**-12, gradient_as_bucket_view=how != "grads")
+    opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1, backend="fused",
+                           state_dtype=state_dtype)
+    handle = opt.step_in_backward(ddp=ddp) if in_backward else None
+    xs, ys = _data()
+    steps = list(range(STEPS)) * 2 + list(range(rank)) * (how == "join")
+    with Join([ddp]) if how == "join" else contextlib.nullcontext():
+        for t in steps:  # each rank its own slice of the batch
+            opt.zero_grad(set_to_none=how != "kept-zero-views")
+            x, y = xs[t][rank * 2:rank * 2 + 3], ys[t][rank * 2:rank * 2 + 3]
+            if how == "accumulating":
+                with handle.accumulating() if handle else contextlib.nullcontext():
+                    torch.nn.functional.mse_loss(ddp(x[:1]), y[:1]).backward()
+                x, y = x[1:], y[1:]
+            torch.nn.functional.mse_loss(ddp(x), y).backward()
+            opt.step()
+    return model, opt
+
+
+def _three_rank_worker(rank, name, state_dtype, how, workdir, port):
     """On each of three gloo ranks, the same DDP training stepping in backward and not;
     saves whether the two gave the same bits."""
     dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                             world_size=3)
     try:
-        runs = []
-        for in_backward in (False, True):
-            model = _model()
-            ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
-            opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1,
-                                   backend="fused", state_dtype=state_dtype)
-            if in_backward:
-                opt.step_in_backward(ddp=ddp)
-            xs, ys = _data()
-            for t in list(range(STEPS)) * 2:  # each rank its own slice of the batch
-                opt.zero_grad()
-                x, y = xs[t][rank * 2:rank * 2 + 3], ys[t][rank * 2:rank * 2 + 3]
-                torch.nn.functional.mse_loss(ddp(x), y).backward()
-                opt.step()
-            runs.append((model, opt))
-        (ordinary, ordinary_opt), (model, opt) = runs
+        (ordinary, ordinary_opt), (model, opt) = (
+            _three_rank_training(rank, name, state_dtype, how, in_backward)
+            for in_backward in (False, True))
         same = all(torch.equal(p, q) for p, q in zip(model.parameters(), ordinary.parameters()))
         same &= all(torch.equal(value, ordinary_opt.state[q][key])
                     for p, q in zip(model.parameters(), ordinary.parameters())
@@ -373,15 +411,77 @@ def _three_rank_worker(rank, name, state_dtype, workdir, port):
     os._exit(0)  # as test_distributed._worker: skip a teardown that sometimes aborts
 
 
-@pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["plain", "int8-state"])
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_three_ddp_ranks_step_in_backward_as_the_ordinary_step_bitwise(name, state_dtype):
-    """Three ranks: DDP's average (each gradient times 1/3, then summed) is not a division
-    by a power of two, so its bits show that the communication hook reduces as DDP's
-    built-in all-reduce does; each rank's parameters and state are the ordinary step's."""
+@pytest.mark.parametrize("name,state_dtype,how", [
+    ("PNM", None, "grads"), ("AdaPNM", None, "grads"), ("AdaPNM", torch.int8, "grads"),
+    ("PNM", None, "kept-zero-views"), ("AdaPNM", None, "accumulating"), ("PNM", None, "join")])
+def test_three_ddp_ranks_step_in_backward_as_the_ordinary_step_bitwise(name, state_dtype, how):
+    """Three ranks: DDP's average (each gradient times 1/3 as DDP copies it into its bucket,
+    or divided by 3 where it already is the bucket's view) is not a division by a power of
+    two, so its bits show that the communication hook reduces as DDP's built-in all-reduce
+    does; each rank's parameters and state are the ordinary step's."""
     if "fused" not in available_backends("cpu"):
         pytest.skip("pnm_kernels._C is not built")
     with tempfile.TemporaryDirectory() as workdir:
-        mp.spawn(_three_rank_worker, args=(name, state_dtype, workdir, _free_port()),
+        mp.spawn(_three_rank_worker, args=(name, state_dtype, how, workdir, _free_port()),
                  nprocs=3, join=True)
         assert all(torch.load(f"{workdir}/rank{rank}.pt") for rank in range(3))
+
+
+def test_ddp_join_dividing_by_the_ranks_left_is_refused_by_every_rank_before_reducing(one_rank):
+    """Join(divide_by_initial_world_size=False): DDP divides by the ranks not yet joined,
+    which its communication hook cannot know; refused at the first bucket, on every rank
+    before its all-reduce (none waits for another), before anything steps."""
+    from torch.distributed.algorithms.join import Join
+
+    model, ddp, _, before, (xs, ys) = _ddp_stepping_in_backward()
+    with pytest.raises(RuntimeError, match=r"divide_by_initial_world_size=False"):
+        with Join([ddp], divide_by_initial_world_size=False):
+            torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+class _Checkpointed(torch.nn.Module):
+    """Three layers, the middle one under reentrant activation checkpointing: its backward
+    runs as a nested backward pass (its own graph task) inside the outer one."""
+
+    def __init__(self):
+        super().__init__()
+        torch.manual_seed(0)
+        self.first, self.middle = torch.nn.Linear(128, 64), torch.nn.Linear(64, 64)
+        self.last = torch.nn.Linear(64, 4)
+
+    def forward(self, x):
+        from torch.utils.checkpoint import checkpoint
+
+        x = torch.tanh(self.first(x))
+        x = checkpoint(lambda h: torch.tanh(self.middle(h)), x, use_reentrant=True)
+        return self.last(x)
+
+
+@pytest.mark.parametrize("ddp", [False, True], ids=["one-process", "ddp-static-graph"])
+def test_reentrant_checkpointing_steps_in_backward_as_the_ordinary_step(one_rank, ddp):
+    """The nested pass flushes what is ready when it ends, the outer pass the rest (none
+    taken for a failed pass); with DDP (static_graph, as DDP asks of reentrant
+    checkpointing) each bucket steps once. Bitwise the ordinary step; without DDP no
+    gradient is left after backward."""
+    if "fused" not in available_backends(ONE_RANK_DEVICE):
+        pytest.skip("pnm_kernels._C is not built")
+    runs = []
+    for in_backward in (False, True):
+        model = _Checkpointed().to(ONE_RANK_DEVICE)
+        wrapped = (torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
+                                                             static_graph=True)
+                   if ddp else model)
+        opt = AdaPNM(model.parameters(), lr=1e-3, weight_decay=0.1)
+        if in_backward:
+            opt.step_in_backward(ddp=wrapped if ddp else None)
+        xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+        for t in list(range(STEPS)) * 2:
+            opt.zero_grad()
+            x = torch.cat([xs[t], xs[t]], 1)[:, :128].requires_grad_()
+            torch.nn.functional.mse_loss(wrapped(x), ys[t]).backward()
+            if in_backward and not ddp and t > 0:
+                assert all(p.grad is None for p in model.parameters())
+            opt.step()
+        runs.append((model, opt))
+    _assert_same_training(*runs[1], *runs[0], grads=ddp)

@@ -455,3 +455,27 @@ def test_a_parameter_taken_out_of_its_group_is_stepped_where_it_went(edit, edit_
     assert all(kept) if edit == "to-sgd" else not any(kept[1:])
     for p, q in zip(model.parameters(), ordinary.parameters()):
         assert torch.equal(p, q)
+
+
+def test_load_state_dict_keeps_the_step_in_backward():
+    """torch's load_state_dict goes through __setstate__, which makes the step paths anew: the
+    handle stays (its refusals too), and the loaded state steps inside backward."""
+    runs = []
+    for in_backward in (False, True):
+        model = _model()
+        opt = AdaPNM(model.parameters(), lr=1e-2, weight_decay=0.1)
+        handle = opt.step_in_backward(bucket_mib=0.05) if in_backward else None
+        batches = _batches(6)
+        _train(model, opt, batches[:3])
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        if handle is not None:
+            assert opt._in_backward is handle
+            with pytest.raises(RuntimeError, match="already steps inside backward"):
+                opt.step_in_backward()
+        _train(model, opt, batches[3:])
+        if handle is not None:
+            assert all(p.grad is None for p in model.parameters())
+            with pytest.raises(RuntimeError, match="closure"):
+                opt.step(lambda: 0.0)
+        runs.append((model, opt))
+    _assert_same(*runs[0], *runs[1])
