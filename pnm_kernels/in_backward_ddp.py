@@ -18,9 +18,9 @@ from .fingerprints import fingerprint
 
 class ReducedBuckets:
     """DDP's communication hook for a model whose optimizer steps inside backward. Hands each
-    bucket, with the future of its all-reduce, to the attached handles (`StepInBackward`),
-    each of which steps its optimizer's parameters in it; with none attached it only
-    reduces."""
+    bucket, with the future of its all-reduce, to the attached `ReducedSteps` (one per
+    optimizer), each of which steps its optimizer's parameters in it; with none attached it
+    only reduces."""
 
     def __init__(self, ddp) -> None:
         self.handles: list = []  # the ReducedSteps stepping these buckets
