@@ -97,12 +97,16 @@ class Planner:
             if all(map(operator.is_not, grads, itertools.repeat(None))):  # the common case
                 indices: Sequence[int] = range(len(params))
                 ids = tuple(map(id, params))
+                places = None  # every parameter's: ids say where each is
             else:
                 indices = [i for i, g in enumerate(grads) if g is not None]
                 ids = tuple(id(params[i]) for i in indices)
+                # A grouping holds places in the group: the same parameters stepped, one
+                # without a gradient taken out before them, are at other places.
+                places = tuple(indices)
             if not indices:
                 continue
-            key = (id(group), group["backend"], ids, group["state_dtype"])
+            key = (id(group), group["backend"], ids, group["state_dtype"], places)
             grouping = self._groupings.get(key)
             regrouped |= grouping is None
             found.append((gi, group, key, grouping, grouping is not None, grads, indices))

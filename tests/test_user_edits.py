@@ -176,6 +176,26 @@ def test_a_parameter_appended_twice_by_hand_is_refused_before_anything_is_touche
 
 
 @cases.parametrize(EVERY_PATH)
+def test_parameters_without_gradients_taken_out_or_put_back_leave_the_others_stepped(
+        path, name):
+    """Parameters 1 and 2 of a group step, 0 and 3 have no gradient. Parameter 0 taken out
+    of the group (the stepped ones each one place earlier), then put back at its end: every
+    step steps parameters 1 and 2 as the reference does."""
+    fast, params, ref, ref_params = _side_by_side(name, path, [(3,), (4, 3), (5, 2), (2,)])
+    edits = {2: lambda ps: ps[1:], 4: lambda ps: ps[1:] + ps[:1]}
+    for t in range(6):
+        for opt, ps in ((fast, params), (ref, ref_params)):
+            if t in edits:
+                opt.param_groups[0]["params"] = edits[t](ps)
+            for p, g in zip(ps, grads_for_step(ps, t)):
+                p.grad = g
+            ps[0].grad = ps[3].grad = None
+            opt.step()
+        assert_states_close(fast, params, ref, ref_params)
+    assert fast.state[params[1]]["step"].item() == 6 and params[0] not in fast.state
+
+
+@cases.parametrize(EVERY_PATH)
 def test_an_extra_group_key_holding_tensors_may_change_between_steps(path, name):
     """torch's optimizers carry a group's extra keys along whatever they hold."""
     fast, params, ref, ref_params = _side_by_side(name, path, [(3,)])
