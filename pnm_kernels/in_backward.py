@@ -19,7 +19,7 @@ import weakref
 
 import torch
 
-from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by
+from .in_backward_ddp import ReducedBuckets, ReducedSteps, backward_pass, managed_by
 from .fingerprints import fingerprint, same
 from .params import local
 
@@ -61,6 +61,7 @@ class StepInBackward:
         self._since_step: set = set()
         self._hooks: list = []
         self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
+        self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
         self.watch(p for group in optimizer.param_groups for p in group["params"])
         # DDP's parameters: stepped in its communication hook, bucket by bucket.
         self.reduced_steps = ReducedSteps(self) if self._reduced is not None else None
@@ -84,9 +85,24 @@ class StepInBackward:
     def still_stepped(self, params) -> list:
         """Those of params that are still the optimizer's: one taken out of its groups
         keeps its hook (autograd's cannot be removed one by one) but neither steps here nor
-        loses its gradient, which is left to whoever steps it now."""
-        owned = {id(p) for group in self._optimizer.param_groups for p in group["params"]}
-        return [p for p in params if id(p) in owned]
+        loses its gradient, which is left to whoever steps it now. Each is looked up where it
+        was last seen (a bucket's cost, not the optimizer's size); the places are found again
+        once one is not there."""
+        groups = self._optimizer.param_groups
+        kept, refound = [], False
+        for p in params:
+            if not self._still_at(p, groups) and not refound:
+                self._places = {id(q): (gi, pi) for gi, group in enumerate(groups)
+                                for pi, q in enumerate(group["params"])}
+                refound = True
+            if self._still_at(p, groups):
+                kept.append(p)
+        return kept
+
+    def _still_at(self, p, groups) -> bool:
+        gi, pi = self._places.get(id(p), (-1, -1))
+        return 0 <= gi < len(groups) and pi < len(groups[gi]["params"]) \
+            and groups[gi]["params"][pi] is p
 
     def refuse_unreduced(self, named_params) -> None:
         """Refuses, naming it, a plain-tensor parameter that several ranks would step before
@@ -132,7 +148,7 @@ class StepInBackward:
         if self._probing:
             self._record(p)
             return
-        this_pass = _backward_pass()
+        this_pass = backward_pass()
         self._pending.append(p)
         self._pending_bytes += local(grad).numel() * grad.element_size()  # a shard's own
         if not self._flush_queued or this_pass != self._pass:
@@ -293,13 +309,6 @@ def refuse_ddp(named_params, ddp_given: bool = False) -> None:
                 "all-reduces it. Pass the DDP model wrapping it (step_in_backward(ddp=model)), "
                 "whose buckets then step once reduced, or use FSDP2 (fully_shard), whose "
                 "sharded parameters step in backward")
-
-
-def _backward_pass():
-    """Which backward pass is running (autograd's graph task id), None where torch has no
-    such query."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return None if current is None else current()
 
 
 __all__ = ["StepInBackward", "refuse_ddp"]

@@ -125,7 +125,7 @@ class ReducedSteps:
     def bucket(self, bucket, reduced) -> None:
         """DDP is all-reducing this bucket (`reduced`: its future)."""
         handle = self._handle
-        if _backward_pass() == -1:  # a joined rank's shadow all-reduce (Join): no gradient
+        if backward_pass() == -1:  # a joined rank's shadow all-reduce (Join): no gradient
             return
         mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if handle.watches(p)]
@@ -198,8 +198,10 @@ def managed_by(ddp) -> set:
             if p.requires_grad and name not in ignored and id(p) not in delayed}
 
 
-def _backward_pass() -> int:
+def backward_pass():
+    """Which backward pass is running (autograd's graph task id: -1 outside any, as in a
+    joined rank's shadow all-reduce), None where torch has no such query."""
     current = getattr(torch._C, "_current_graph_task_id", None)
-    return 0 if current is None else current()
+    return None if current is None else current()
 
-__all__ = ["ReducedBuckets", "ReducedSteps", "managed_by"]
+__all__ = ["ReducedBuckets", "ReducedSteps", "backward_pass", "managed_by"]

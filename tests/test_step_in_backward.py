@@ -409,16 +409,18 @@ def test_a_cuda_graph_captures_a_training_step_that_steps_in_backward(name):
         handle.remove()
 
 
-def _regrouped_training(in_backward, edit_at, edit):
+def _regrouped_training(in_backward, edit_at, edit, moved):
     """Six steps of AdaPNM in buckets of one parameter; before step `edit_at` the last bias
-    is taken out of the group ("to-sgd": given to torch's SGD, stepped after ours) or moved
+    or the first weight (every parameter after it then one place earlier) is taken out of
+    the group ("to-sgd": given to torch's SGD, stepped after ours) or moved
     into a group of its own ("new-group", add_param_group with another lr). Returns the
     model and whether that bias held a gradient after each backward pass from then on."""
     model = _model()
     opt = AdaPNM(model.parameters(), lr=1e-2, weight_decay=0.1, backend="fused")
     if in_backward:
         opt.step_in_backward(bucket_mib=1e-6)
-    bias, other, kept = model[4].bias, None, []
+    bias = model[4].bias if moved == "last-bias" else model[0].weight
+    other, kept = None, []
     for t, x in enumerate(_batches(6)):
         if t == edit_at:
             opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"]
@@ -443,15 +445,16 @@ def _regrouped_training(in_backward, edit_at, edit):
 
 @pytest.mark.parametrize("edit_at", [0, 3], ids=["before-the-first-step", "mid-training"])
 @pytest.mark.parametrize("edit", ["to-sgd", "new-group"])
-def test_a_parameter_taken_out_of_its_group_is_stepped_where_it_went(edit, edit_at):
+@pytest.mark.parametrize("moved", ["last-bias", "first-weight"])
+def test_a_parameter_taken_out_of_its_group_is_stepped_where_it_went(edit, edit_at, moved):
     """Its hook stays (autograd's cannot be removed one by one): taken out of the optimizer
     it keeps its gradient for whoever steps it now; moved into a new group it is hooked once
     (a second hook would count two backward passes at the probe). Bitwise the ordinary
     loop either way."""
     if "fused" not in __import__("pnm_kernels").available_backends("cpu"):
         pytest.skip("pnm_kernels._C is not built")
-    ordinary, _ = _regrouped_training(False, edit_at, edit)
-    model, kept = _regrouped_training(True, edit_at, edit)
+    ordinary, _ = _regrouped_training(False, edit_at, edit, moved)
+    model, kept = _regrouped_training(True, edit_at, edit, moved)
     assert all(kept) if edit == "to-sgd" else not any(kept[1:])
     for p, q in zip(model.parameters(), ordinary.parameters()):
         assert torch.equal(p, q)
