@@ -36,14 +36,16 @@ class StepInBackward:
         if getattr(optimizer, "_in_backward", None) is not None:
             raise RuntimeError("step_in_backward: this optimizer already steps inside backward "
                                "(remove() its handle first)")
-        if ddp is not None:
-            ReducedBuckets.check(ddp, "step_in_backward")
-        self._reduced_here = managed_by(ddp) if ddp is not None else set()
+        models = list(ddp) if isinstance(ddp, (list, tuple)) else [] if ddp is None else [ddp]
+        models = list({id(model): model for model in models}.values())  # each hooked once
+        for model in models:
+            ReducedBuckets.check(model, "step_in_backward")
+        self._reduced_here = set().union(*map(managed_by, models))
         self.refuse_unreduced((f"param_groups[{gi}]['params'][{pi}]", p)
                               for gi, group in enumerate(optimizer.param_groups)
                               for pi, p in enumerate(group["params"]))
         # DDP's parameters step in its communication hook (registered now, kept on the model).
-        self._reduced = ReducedBuckets.of(ddp, "step_in_backward") if ddp is not None else None
+        self._reduced = [ReducedBuckets.of(model, "step_in_backward") for model in models]
         self._optimizer = optimizer
         self._bucket_bytes = bucket_mib * 2**20
         self._probing = True  # the first step is an ordinary one (see the module's docstring)
@@ -64,9 +66,9 @@ class StepInBackward:
         self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
         self.watch(p for group in optimizer.param_groups for p in group["params"])
         # DDP's parameters: stepped in its communication hook, bucket by bucket.
-        self.reduced_steps = ReducedSteps(self) if self._reduced is not None else None
-        if self._reduced is not None:
-            self._reduced.handles.append(self.reduced_steps)
+        self.reduced_steps = ReducedSteps(self) if self._reduced else None
+        for reduced in self._reduced:
+            reduced.handles.append(self.reduced_steps)
         optimizer._in_backward = self
 
     def watch(self, params) -> None:
@@ -118,8 +120,9 @@ class StepInBackward:
             hook.remove()
         self._hooks = []
         self._pending = []
-        if self._reduced is not None and self.reduced_steps in self._reduced.handles:
-            self._reduced.handles.remove(self.reduced_steps)  # DDP keeps the hook: it reduces
+        for reduced in self._reduced:  # DDP keeps the hook: it reduces
+            if self.reduced_steps in reduced.handles:
+                reduced.handles.remove(self.reduced_steps)
         if getattr(self._optimizer, "_in_backward", None) is self:
             self._optimizer._in_backward = None
 

@@ -45,7 +45,8 @@ class ReducedBuckets:
 
         if not isinstance(ddp, DistributedDataParallel):
             raise TypeError(f"{where}: ddp must be the torch.nn.parallel.DistributedDataParallel "
-                            f"module wrapping the parameters, got {type(ddp).__name__}")
+                            f"module wrapping the parameters (or a list of them), got "
+                            f"{type(ddp).__name__}")
         if getattr(ddp, "find_unused_parameters", False):
             raise RuntimeError(
                 f"{where}: DDP(find_unused_parameters=True) is not supported: a bucket holds "

@@ -171,11 +171,11 @@ class _PositiveNegativeMomentum(Optimizer):
         ``handle.accumulating()`` instead). Afterwards ``optimizer.step()`` and
         ``zero_grad()`` in the training loop are harmless (nothing is left to step).
         FSDP2's sharded parameters step once their gradients are reduce-scattered. Under
-        DDP pass the model (``ddp=model``): its parameters then step in DDP's communication
-        hook, each of DDP's buckets once its all-reduce is done (DDP's buckets, sized by its
-        ``bucket_cap_mb``; the gradients kept, as DDP's buckets hold them anyway); plain
-        tensors under several ranks that no DDP model given reduces are refused (the step
-        would come before the all-reduce).
+        DDP pass the model (``ddp=model``, or a list of models): its parameters then step in
+        DDP's communication hook, each of DDP's buckets once its all-reduce is done (DDP's
+        buckets, sized by its ``bucket_cap_mb``; the gradients kept, as DDP's buckets hold
+        them anyway); plain tensors under several ranks that no DDP model given reduces are
+        refused (the step would come before the all-reduce).
 
         Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
         restores the ordinary step.

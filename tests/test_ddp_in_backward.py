@@ -1,9 +1,8 @@
-"""optimizer.step_in_backward() under FSDP2 and DDP (docs/design.md §9), on one rank over gloo
-(or NCCL with a GPU). FSDP2 calls its sharded parameters' post-accumulate-grad hooks once it
-has reduce-scattered their gradients, so the shards step in backward; DDP's parameters step in
-its communication hook, a bucket once reduced. Either way bitwise the ordinary step, the
-gradients freed; micro-batches accumulate; clipping is refused before anything moves. Several
-ranks: the fsdp-in-backward and ddp-in-backward modes of test_distributed.py."""
+"""optimizer.step_in_backward(ddp=model) under DDP (docs/design.md §9): DDP's parameters step
+in its communication hook, a bucket once reduced. One rank over gloo (or NCCL with a GPU):
+bitwise the ordinary step, gradients left as DDP leaves them, micro-batches accumulated,
+clipping refused before anything moves; three gloo ranks bitwise ordinary DDP training. Two
+ranks: the ddp-in-backward mode of test_distributed.py."""
 import contextlib
 import os
 import sys
@@ -18,110 +17,10 @@ from conftest import FAST_PATHS
 from pnm_kernels import PNM, AdaPNM, available_backends
 # one_rank: the fixture, used by name
 from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _data, _free_port,  # noqa: F401
-                              _model, _one_rank_model, needs_one_rank_fsdp2, one_rank)
+                              _model, one_rank)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
-
-def _one_rank_fsdp2_training_in_backward(name, backend, state_dtype, in_backward):
-    """Eight steps of an FSDP2 model, stepping inside backward (buckets of about 1 KiB: each
-    weight alone, the biases together) or not. Returns the model, the optimizer and whether
-    any parameter held a gradient after a backward pass."""
-    model, (xs, ys) = _one_rank_model()
-    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend,
-                           state_dtype=state_dtype)
-    if in_backward:
-        opt.step_in_backward(bucket_mib=2**-10)
-    grads_kept = False
-    for t in list(range(STEPS)) * 2:
-        opt.zero_grad()
-        torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
-        grads_kept |= any(p.grad is not None for p in model.parameters())
-        opt.step()
-    return model, opt, grads_kept
-
-
-@needs_one_rank_fsdp2
-@pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["plain", "int8-state"])
-@pytest.mark.parametrize("path", FAST_PATHS, indirect=True)
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_fsdp2_steps_in_backward_as_the_ordinary_step_bitwise(one_rank, path, name, state_dtype):
-    """FSDP2 calls its sharded parameters' post-accumulate-grad hooks once it has
-    reduce-scattered their gradients (the first layer's in its end-of-backward callback): the
-    shards step in backward, their gradients are freed there (after the ordinary first step,
-    the probe, none is left), and parameters and state are the ordinary step's bits."""
-    if path == "triton" and state_dtype is not None:
-        pytest.skip("the Triton interpreter's int8 step is covered in test_step_in_backward.py")
-    ordinary, ordinary_opt, _ = _one_rank_fsdp2_training_in_backward(name, path, state_dtype,
-                                                                    False)
-    model, opt, grads_kept = _one_rank_fsdp2_training_in_backward(name, path, state_dtype, True)
-    assert grads_kept  # the probe's (the ordinary step's) gradients
-    assert all(p.grad is None for p in model.parameters())
-    for p, q in zip(model.parameters(), ordinary.parameters()):
-        assert torch.equal(p.to_local(), q.to_local())
-        for key, value in opt.state[p].items():
-            expected = ordinary_opt.state[q][key]
-            assert torch.equal(getattr(value, "_local_tensor", value),
-                               getattr(expected, "_local_tensor", expected)), key
-
-
-def _one_rank_fsdp2_accumulation(name, how):
-    """Four steps of two micro-batches each: summed by FSDP2's reduce-scatters ("ordinary",
-    the ordinary step; "accumulating", stepping in backward with the first micro-batch inside
-    handle.accumulating()), or summed unsharded with FSDP2's gradient sync off for the first
-    ("no-sync", stepping in backward: FSDP2 calls no hook until it reduces)."""
-    model, (xs, ys) = _one_rank_model()
-    opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend="fused")
-    handle = opt.step_in_backward(bucket_mib=2**-10) if how != "ordinary" else None
-    for t in range(STEPS):
-        opt.zero_grad()
-        for micro in range(2):
-            first = micro == 0
-            accumulating = handle.accumulating() if how == "accumulating" and first \
-                else contextlib.nullcontext()
-            model.set_requires_gradient_sync(not (how == "no-sync" and first))
-            with accumulating:
-                x, y = xs[t][micro * 4:(micro + 1) * 4], ys[t][micro * 4:(micro + 1) * 4]
-                torch.nn.functional.mse_loss(model(x), y).backward()
-        if handle is not None and t > 0:  # after the probe: stepped and freed in backward
-            assert all(p.grad is None for p in model.parameters())
-        opt.step()
-    return [p.full_tensor().detach().cpu() for p in model.parameters()]
-
-
-@needs_one_rank_fsdp2
-@pytest.mark.parametrize("how", ["accumulating", "no-sync"])
-@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_fsdp2_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_rank, name, how):
-    if "fused" not in available_backends(ONE_RANK_DEVICE):
-        pytest.skip("pnm_kernels._C is not built")
-    got = _one_rank_fsdp2_accumulation(name, how)
-    expected = _one_rank_fsdp2_accumulation(name, "ordinary")
-    for p, q in zip(got, expected):
-        assert torch.equal(p, q)
-
-
-@needs_one_rank_fsdp2
-@pytest.mark.parametrize("clip", ["norm", "value"])
-def test_fsdp2_gradient_clipping_is_refused_in_backward_before_anything_moves(one_rank, clip):
-    """clip_grad_norm_/clip_grad_value_ scale FSDP2's DTensor gradients with in-place foreach
-    ops, which bump no version counter: the probe sees the changed bits and refuses."""
-    model, (xs, ys) = _one_rank_model()
-    opt = PNM(model.parameters(), lr=1e-2)
-    opt.step_in_backward()
-    before = [p.to_local().clone() for p in model.parameters()]
-    torch.nn.functional.mse_loss(model(xs[0]), ys[0]).backward()
-    if clip == "norm":
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    else:
-        torch.nn.utils.clip_grad_value_(model.parameters(), 1e-4)
-    with pytest.raises(RuntimeError, match="gradient clipping"):
-        opt.step()
-    assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
-    assert not opt.state
-
-
-# -- DDP: the step in its communication hook, each bucket once reduced --------------------------
 
 def _one_rank_ddp_training_in_backward(name, backend, in_backward, as_bucket_views=False,
                                        state_dtype=None, steps=6):
@@ -485,3 +384,60 @@ def test_reentrant_checkpointing_steps_in_backward_as_the_ordinary_step(one_rank
             opt.step()
         runs.append((model, opt))
     _assert_same_training(*runs[1], *runs[0], grads=ddp)
+
+
+@pytest.mark.parametrize("given", ["both", "both-and-one-again"])
+def test_one_optimizer_over_two_ddp_models_steps_each_in_its_buckets(one_rank, given):
+    """ddp=[model_a, model_b]: each model's buckets step its parameters (a model given twice
+    is hooked once). Bitwise the ordinary step of both models."""
+    if "fused" not in available_backends(ONE_RANK_DEVICE):
+        pytest.skip("pnm_kernels._C is not built")
+    runs = []
+    for in_backward in (False, True):
+        models = [_model().to(ONE_RANK_DEVICE), _model().to(ONE_RANK_DEVICE)]
+        ddps = [torch.nn.parallel.DistributedDataParallel(m, bucket_cap_mb=2**-12)
+                for m in models]
+        opt = AdaPNM([p for m in models for p in m.parameters()], lr=1e-3, weight_decay=0.1)
+        if in_backward:
+            opt.step_in_backward(ddp=ddps if given == "both" else ddps + ddps[:1])
+        xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+        for t in list(range(STEPS)) * 2:
+            opt.zero_grad()
+            out = ddps[0](xs[t]) + 0.5 * ddps[1](xs[t].flip(0))
+            torch.nn.functional.mse_loss(out, ys[t]).backward()
+            opt.step()
+        runs.append((models, opt))
+    (models, opt), (ordinary, ordinary_opt) = runs[1], runs[0]
+    for model, expected in zip(models, ordinary):
+        _assert_same_training(model, opt, expected, ordinary_opt)
+
+
+def test_a_compiled_ddp_model_steps_in_backward_as_the_compiled_ordinary_one(one_rank):
+    """torch.compile of a DDP model: dynamo's DDPOptimizer splits the graph at DDP's bucket
+    bounds (1 MiB at least: DDP's first bucket), so the buckets of a 2.6 MB model are reduced,
+    and stepped, while the backward pass goes on. Bitwise the same compiled model's
+    ordinary step."""
+    if "fused" not in available_backends(ONE_RANK_DEVICE):
+        pytest.skip("pnm_kernels._C is not built")
+    runs = []
+    for in_backward in (False, True):
+        torch._dynamo.reset()
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(torch.nn.Linear(128, 1024), torch.nn.Tanh(),
+                                    torch.nn.Linear(1024, 512), torch.nn.Tanh(),
+                                    torch.nn.Linear(512, 4)).to(ONE_RANK_DEVICE)
+        ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
+        compiled = torch.compile(ddp)
+        opt = PNM(model.parameters(), lr=1e-2, weight_decay=0.1)
+        buckets = _count_buckets(opt)
+        if in_backward:
+            opt.step_in_backward(ddp=ddp)
+        xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+        for t in list(range(STEPS)) * 2:
+            opt.zero_grad()
+            torch.nn.functional.mse_loss(compiled(xs[t]), ys[t]).backward()
+            opt.step()
+        runs.append((model, opt))
+    # Every pass after the probe's steps a bucket inside backward (the last one in step()).
+    assert sum(inside for _, inside in buckets) == 2 * STEPS - 1
+    _assert_same_training(*runs[1], *runs[0])
