@@ -16,7 +16,8 @@ from .params import (describe, element_offset, holdable, kernel_batch, local, sh
                      shard_of)
 from .quantization import scale_name
 from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, SharedStateError,
-                    StateWatch, check_state, check_unshared, count_replacement, ensure_state)
+                    StateValueError, StateWatch, check_state, check_unshared, count_replacement,
+                    ensure_state)
 
 _MAX_ENTRIES = 64
 
@@ -160,13 +161,20 @@ def _explained(optimizer, group, p):
             "loaded. "
             "Restart its state with `del optimizer.state[param]`, or load a matching "
             "state_dict") from None
+    except StateValueError as e:
+        key, problem = e.args
+        raise RuntimeError(
+            f"{_describe(optimizer, group, p)}: its state {key!r} {problem}: set by hand or "
+            "loaded so? Restart its state with `del optimizer.state[param]`, or load a "
+            "state_dict of this optimizer") from None
     except SharedStateError as e:
         key, other, other_key = e.args
+        owner = "its own" if other is p else f"{_describe_anywhere(optimizer, other)}'s"
         raise RuntimeError(
             f"{_describe(optimizer, group, p)}: its state {key!r} is the very tensor of "
-            f"{_describe_anywhere(optimizer, other)}'s state {other_key!r}: each parameter "
-            "needs state of its own (give it a copy: `.clone()`, or `del optimizer.state[param]` "
-            "to restart it)") from None
+            f"{owner} state {other_key!r}: each parameter needs state of its own, a tensor a "
+            "key (give it a copy: `.clone()`, or `del optimizer.state[param]` to restart "
+            "it)") from None
 
 
 def _key(group, backend, names, ids) -> tuple:

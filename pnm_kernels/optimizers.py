@@ -16,7 +16,7 @@ from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
 from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
-from .state import OptimizerState, as_step, plain_state_entries, put, tracked
+from .state import OptimizerState, as_step, is_one_number, plain_state_entries, put, tracked
 
 BACKENDS = BACKEND_NAMES
 # The group keys load_state_dict keeps from the loading optimizer (how it runs).
@@ -84,7 +84,10 @@ class _PositiveNegativeMomentum(Optimizer):
                 for key, value in saved.get(p, {}).items():
                     if key in state and torch.is_tensor(state[key]) and state[key].dtype != value.dtype:
                         put(state, key, value.to(device=state[key].device, copy=True))
-                if "step" in state:  # step counters as the backends take them
+                # Step counters as the backends take them; one that is no number is left
+                # for the step to refuse, naming it (a load that raised here would be half
+                # done).
+                if is_one_number(state.get("step")):
                     put(state, "step", as_step(state["step"], p))
 
     def add_param_group(self, param_group: dict) -> None:

@@ -174,6 +174,10 @@ class CodesWithoutScalesError(RuntimeError):
     """A buffer of int8 codes whose scales are missing (args: the buffer's name)."""
 
 
+class StateValueError(RuntimeError):
+    """A value of a parameter's state that no step can use (args: its key, what is wrong)."""
+
+
 class SharedStateError(RuntimeError):
     """A tensor of a parameter's state that another parameter's state holds too (args: its
     key, the other parameter, the other's key)."""
@@ -194,20 +198,36 @@ def as_seed(seed, p) -> torch.Tensor:
 
 def check_state(state: dict, p, names) -> None:
     """Raises what ensure_state would raise for p's state (BufferShapeError,
-    CodesWithoutScalesError), touching nothing: a step checks every parameter's state this
-    way before it converts any (another group's state_dtype switched, say)."""
+    CodesWithoutScalesError, StateValueError), touching nothing: a step checks every
+    parameter's state this way before it converts any (another group's state_dtype
+    switched, say)."""
     entry = state.get(p)
     if not entry:
         return
+    for key in ("step", "seed"):
+        if entry.get(key) is not None and not is_one_number(entry[key]):
+            value = entry[key]
+            raise StateValueError(key, f"has {value.numel()} elements, not one"
+                                  if torch.is_tensor(value) else
+                                  f"is a {type(value).__name__}, not a number")
     for name in names:
-        if isinstance(entry.get(name), torch.Tensor):
+        if entry.get(name) is not None:
             _check_buffer(entry, name, p)
+
+
+def is_one_number(value) -> bool:
+    """A step counter or seed as it may come: a real number, or a real tensor of one element
+    (as_step and as_seed take either)."""
+    if torch.is_tensor(value):
+        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def check_unshared(state: dict, p, seen: dict) -> None:
     """Raises SharedStateError where a tensor of p's state (a buffer, its counter, seed or
-    scales) is one that another parameter's state in `seen` holds too (an entry or a tensor
-    put under two parameters by hand): each backend would step it another way. `seen`: the
+    scales) is one that another parameter's state in `seen`, or another key of p's own,
+    holds too (an entry or a tensor put under two parameters or keys by hand, e.g. both
+    momenta reset with one zero tensor): each backend would step it another way. `seen`: the
     tensors met so far, by id, with (parameter, key); a step passes one for all it builds."""
     entry = state.get(p)
     if not entry:
@@ -215,7 +235,7 @@ def check_unshared(state: dict, p, seen: dict) -> None:
     for key, value in entry.items():
         if isinstance(value, torch.Tensor):
             other, other_key = seen.setdefault(id(value), (p, key))
-            if other is not p:
+            if other is not p or other_key != key:
                 raise SharedStateError(key, other, other_key)
 
 
@@ -225,15 +245,29 @@ def _check_buffer(entry: dict, name: str, p) -> None:
     (CodesWithoutScalesError, or BufferShapeError for the scales). check_state, ensure_state
     and the decoding of codes all ask here."""
     buffer = entry[name]
+    if not isinstance(buffer, torch.Tensor):
+        raise StateValueError(name, f"is a {type(buffer).__name__}, not a tensor")
     if buffer.shape != p.shape:
         raise BufferShapeError(name, buffer, p.shape)
     if buffer.dtype in _CODE_DTYPES:
-        scales = entry.get(quantization.scale_name(name))
+        if buffer.dtype != quantization.code_dtype(name):
+            kind = "signed (int8)" if quantization.SIGNED[name] else "unsigned (uint8)"
+            raise StateValueError(name, f"holds {buffer.dtype} codes where its codes are "
+                                  f"{kind}")
+        key = quantization.scale_name(name)
+        scales = entry.get(key)
         if scales is None:
             raise CodesWithoutScalesError(name)
+        if not (isinstance(scales, torch.Tensor) and scales.is_floating_point()):
+            what = scales.dtype if isinstance(scales, torch.Tensor) else type(scales).__name__
+            raise StateValueError(key, f"is {what}, not a floating tensor of block scales")
+        if scales.device != buffer.device:
+            raise StateValueError(key, f"is on {scales.device}, its codes on {buffer.device}")
         if scales.shape != quantization.scales_shape(p.shape):
-            raise BufferShapeError(quantization.scale_name(name), scales,
-                                   quantization.scales_shape(p.shape))
+            raise BufferShapeError(key, scales, quantization.scales_shape(p.shape))
+    elif not (buffer.is_floating_point() or buffer.is_complex()):
+        raise StateValueError(name, f"is of dtype {buffer.dtype}: a buffer holds floating "
+                              "values, or int8 codes with their scales")
 
 
 def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,

@@ -229,6 +229,87 @@ def test_state_shared_between_parameters_raises_naming_both_before_any_change(pa
         assert torch.equal(p, v)
 
 
+@pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_one_tensor_under_two_keys_of_a_state_raises_naming_both_before_any_change(
+        path, name, state_dtype):
+    """Both momenta reset with one zero tensor (`st[a] = st[b] = zeros`): the reference steps
+    the momentum of the step's parity into the other too, a kernel reads them apart. Refused,
+    naming the parameter and both keys, before the other parameter (ahead of it) steps."""
+    params = make_params([(4,), (3, 200)])
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=state_dtype)
+    train(opt, params, 3)
+    state = opt.state[params[1]]
+    first, second = ("exp_avg", "neg_exp_avg") if name == "AdaPNM" else ("pos_momentum",
+                                                                          "neg_momentum")
+    state[first] = state[second] = torch.zeros_like(state[first])
+    values = [p.detach().clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=rf"params'\]\[1\].* state '{second}' is the very "
+                                           rf"tensor of its own state '{first}'"):
+        opt.step()
+    for p, v in zip(params, values):
+        assert torch.equal(p, v)
+
+
+# A value no step can use, put into int8 state (of a momentum, or its block scales), and what
+# the refusal says of it.
+BAD_STATE_VALUES = {
+    "step of two elements": (lambda st, m: st.__setitem__("step", torch.zeros(2)),
+                             r"'step' has 2 elements, not one"),
+    "seed of two elements": (lambda st, m: st.__setitem__("seed", st["seed"].repeat(2)),
+                             r"'seed' has 2 elements, not one"),
+    "buffer of a list": (lambda st, m: st.__setitem__(m, st[m].tolist()),
+                         r"'{m}' is a list, not a tensor"),
+    "int64 buffer": (lambda st, m: st.__setitem__(m, st[m].long()),
+                     r"'{m}' is of dtype torch.int64: a buffer holds floating values"),
+    "uint8 codes of a momentum": (lambda st, m: st.__setitem__(m, st[m].view(torch.uint8)),
+                                  r"'{m}' holds torch.uint8 codes where its codes are signed"),
+    "int64 scales": (lambda st, m: st.__setitem__(f"{m}_scale", st[f"{m}_scale"].long()),
+                     r"'{m}_scale' is torch.int64, not a floating tensor of block scales"),
+    "a float for scales": (lambda st, m: st.__setitem__(f"{m}_scale", 1.0),
+                           r"'{m}_scale' is float, not a floating tensor of block scales"),
+    "codes on another device": (lambda st, m: st.__setitem__(m, st[m].to("meta")),
+                                r"'{m}_scale' is on cpu, its codes on meta"),
+}
+
+
+@pytest.mark.parametrize("how", ["by-hand", "loaded"])
+@pytest.mark.parametrize("bad", list(BAD_STATE_VALUES))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name, bad, how):
+    """Set by hand, or in a state_dict loaded (the load itself never stops half way: every
+    other entry is restored, its codes int8): the step refuses it naming the parameter and
+    the key, before any parameter or state has changed."""
+    if bad == "codes on another device" and how == "loaded":
+        pytest.skip("load_state_dict moves every tensor to its parameter's device")
+    momentum = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    edit, culprit = BAD_STATE_VALUES[bad]
+    params = make_params([(3, 200), (2, 128)])
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.int8)
+    train(opt, params, 2)
+    if how == "by-hand":
+        edit(opt.state[params[0]], momentum)
+    else:
+        saved = copy.deepcopy(opt.state_dict())
+        edit(saved["state"][0], momentum)
+        params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.int8)
+        opt.load_state_dict(saved)
+        assert opt.state[params[1]][momentum].dtype == torch.int8
+    values = [p.detach().clone() for p in params]
+    other_state = copy.deepcopy(dict(opt.state[params[1]]))
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"params'\]\[0\].* state " + culprit.format(m=momentum)):
+        opt.step()
+    for p, v in zip(params, values):
+        assert torch.equal(p, v)
+    for key, value in other_state.items():
+        assert torch.equal(opt.state[params[1]][key], value), key
+
+
 @pytest.mark.parametrize("lazy", ["parameter", "gradient"])
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_an_unresolved_conjugate_view_raises_naming_the_parameter_untouched(path, name, lazy):
