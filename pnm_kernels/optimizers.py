@@ -9,6 +9,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import plan as planning
+from . import quantization
 from . import traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
@@ -63,6 +64,7 @@ class _PositiveNegativeMomentum(Optimizer):
         for gi, group in enumerate(state_dict.get("param_groups", [])):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
+        _refuse_foreign_state(state_dict, self._buffer_names, type(self).__name__)
         saved = _saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its
@@ -209,6 +211,22 @@ class _PositiveNegativeMomentum(Optimizer):
         (see traced.init_group)."""
         return traced.init_group(self, group, params, grads, buffer0, buffer1, buffer2,
                                  buffer3, steps, seeds, [scale0, scale1, scale2, scale3])
+
+
+def _refuse_foreign_state(state_dict: dict, names: tuple, optimizer: str) -> None:
+    """Raises, naming the entry, where a saved entry holds none of this optimizer's buffers
+    but keys it never holds: another optimizer's state (SGD's momentum_buffer, RMSprop's
+    square_avg), whose step counter would carry over onto fresh buffers. Keys of a user's own
+    beside this optimizer's buffers stay, as torch's optimizers keep them."""
+    own = {"step", "seed", *names, *(quantization.scale_name(n) for n in names)}
+    for index, entry in state_dict.get("state", {}).items():
+        foreign = sorted(str(key) for key in entry if key not in own)
+        if foreign and not any(name in entry for name in names):
+            raise ValueError(
+                f"state_dict['state'][{index!r}] holds {', '.join(map(repr, foreign))} and none "
+                f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
+                "optimizer? Load the model's weights alone, and let this optimizer's state "
+                "start afresh")
 
 
 def _saved_tensors(state_dict: dict, param_groups) -> dict:

@@ -13,7 +13,7 @@ from cases import FAST_PATHS, OVER_OPTIMIZERS
 from conftest import (OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
                       make_params, second_parameter_restarted_after_three_steps, train,
                       with_reference)
-from pnm_kernels import AdaPNM
+from pnm_kernels import PNM, AdaPNM
 
 
 @cases.parametrize(FAST_PATHS)
@@ -102,21 +102,53 @@ def test_loads_a_checkpoint_in_the_authors_format(name):
         assert torch.equal(p, q)
 
 
-def test_loading_another_optimizers_state_dict_raises_before_changing_anything():
-    """AdamW's groups have two betas: the load is refused, naming the group and the
-    argument, and the optimizer goes on as it was."""
+# Another optimizer's state_dict, trained a step on the same parameter, and what the refusal
+# of its load names: AdamW's groups (two betas), or state holding none of our buffers.
+FOREIGN = {
+    "AdamW into AdaPNM": ("AdaPNM", lambda ps: torch.optim.AdamW(ps),
+                          r"state_dict\['param_groups'\]\[0\]: betas must be"),
+    "SGD into PNM": ("PNM", lambda ps: torch.optim.SGD(ps, lr=0.1, momentum=0.9),
+                     r"state_dict\['state'\]\[0\] holds 'momentum_buffer' and none of PNM's"),
+    "RMSprop into AdaPNM": ("AdaPNM", lambda ps: torch.optim.RMSprop(ps),
+                            r"state_dict\['state'\]\[0\] holds 'square_avg' and none of AdaPNM's"),
+    "Adagrad into AdaPNM": ("AdaPNM", lambda ps: torch.optim.Adagrad(ps),
+                            r"state_dict\['state'\]\[0\] holds 'sum' and none of AdaPNM's"),
+    "Adamax into PNM": ("PNM", lambda ps: torch.optim.Adamax(ps),
+                        r"holds 'exp_avg', 'exp_inf' and none of PNM's"),
+}
+
+
+@pytest.mark.parametrize("case", list(FOREIGN))
+def test_loading_another_optimizers_state_dict_raises_before_changing_anything(case):
+    """Refused, naming the group or the state entry, and the optimizer goes on as it was
+    (not: another optimizer's step counter carried over onto fresh buffers)."""
+    name, foreign, culprit = FOREIGN[case]
     params = make_params([(4,)])
-    adamw = torch.optim.AdamW(params)
-    opt = AdaPNM(params, lr=0.05)
+    other = foreign(params)
+    opt = OPTIMIZERS[name](params, lr=0.05)
     train(opt, params, 2)
-    adamw.step()
+    other.step()
     before = copy.deepcopy(opt.state_dict())
-    with pytest.raises(ValueError, match=r"state_dict\['param_groups'\]\[0\]: betas must be"):
-        opt.load_state_dict(adamw.state_dict())
-    assert opt.param_groups[0]["lr"] == 0.05 and opt.param_groups[0]["betas"] == (0.9, 0.999, 1.0)
+    with pytest.raises(ValueError, match=culprit):
+        opt.load_state_dict(other.state_dict())
+    assert opt.param_groups[0]["lr"] == 0.05
+    assert opt.param_groups[0]["betas"] == before["param_groups"][0]["betas"]
+    assert opt.state[params[0]].keys() == before["state"][0].keys()
     for key, value in opt.state[params[0]].items():
         assert torch.equal(value, before["state"][0][key]), key
     train(opt, params, 1, start=2)
+
+
+def test_keys_of_the_users_own_beside_the_buffers_load_and_stay():
+    """As torch's optimizers keep them."""
+    params = make_params([(4,)])
+    opt = PNM(params, lr=0.05)
+    train(opt, params, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0]["my_ema"] = torch.ones(4)
+    opt.load_state_dict(saved)
+    train(opt, params, 1, start=2)
+    assert torch.equal(opt.state[params[0]]["my_ema"], torch.ones(4))
 
 
 @OVER_OPTIMIZERS
