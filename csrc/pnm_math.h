@@ -123,7 +123,9 @@ PNM_HOST_DEVICE void adapnm_element(C& p, C g, C& m, C m_other, C& v, C& v_max,
     g = g + c.l2 * p;
   }
   m = c.b1_sq * m + c.one_minus_b1_sq * g;
-  v = c.b2 * v + c.one_minus_b2 * (g * g);
+  // (1 - b2) g first, then g, as torch's addcmul (the reference): g * g overflows for
+  // |g| > 1.8e19 where the reference's product stays finite.
+  v = c.b2 * v + (c.one_minus_b2 * g) * g;
   C second_moment = v;
   if constexpr (kAmsgrad) {
     v_max = nan_max(v_max, v);

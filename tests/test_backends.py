@@ -6,8 +6,8 @@ import torch
 
 import cases
 from cases import FAST_PATHS, FLOAT64_FAST_PATHS, OVER_OPTIMIZERS
-from conftest import (DEVICE, HAS_CUDA, OPTIMIZERS, assert_states_close, clone_params,
-                      make_params, train, with_reference)
+from conftest import (DEVICE, HAS_CUDA, OPTIMIZERS, assert_close_codes, assert_states_close,
+                      clone_params, make_params, train, with_reference)
 from internals import (fused_kernels_unavailable, kernels_take_only_their_own_dtypes,
                        launch_ticket_counter, make_batch, record_triton_launches,
                        resolve_auto_backend, run_triton_step, set_triton_launch_config,
@@ -298,6 +298,29 @@ def test_the_triton_step_refuses_lists_it_would_read_past(missing):
     with pytest.raises(RuntimeError, match="needs as many gradients, step counters and 4"):
         run_triton_step(True, batch, hp, None, None)
     assert all(not p.any() for p in params)
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.int8],
+                         ids=["param-dtype-state", "bf16-state", "int8-state"])
+@cases.parametrize(FAST_PATHS, optimizers=("AdaPNM",))
+def test_a_gradient_whose_square_overflows_float32_steps_as_the_reference(path, name,
+                                                                          state_dtype):
+    """A gradient of 2e19: its square overflows float32, the reference's addcmul ((1 - b2) g,
+    then times g) does not. Every kernel multiplies in that order, so the second moment stays
+    finite and the parameter moves (with int8 state an inf would turn its block's scale, and
+    the block's 128 parameters, to NaN)."""
+    runs = []
+    for backend in ("reference", path):
+        params = make_params([(2, 128)])
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=state_dtype)
+        for t in range(4):
+            grad = torch.randn(2, 128, generator=torch.Generator().manual_seed(t))
+            grad[0, 5] = 2e19
+            params[0].grad = grad.to(params[0].device)
+            opt.step()
+        runs.append((opt, params))
+    assert torch.isfinite(runs[1][1][0]).all()
+    assert_close_codes(*runs[1], *runs[0])
 
 
 @pytest.mark.parametrize("weight_decay", [0.0, 0.1])

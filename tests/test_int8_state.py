@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from cases import INT8_PATHS, OPTIMIZERS, parametrize
-from conftest import assert_same_bits, round_trip
+from conftest import assert_close_codes, assert_same_bits, round_trip
 from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
 from pnm_kernels.backends import resolve_backend
 from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
@@ -59,22 +59,7 @@ def test_int8_state_steps_as_the_reference(name, path, dtype, variant):
         assert_same_bits(*runs[0], *runs[1])
 
     else:  # the kernel's float32 maths to rounding: codes alike but where one rounded the other way
-        _assert_close_codes(*runs[1], *runs[0])
-
-
-def _assert_close_codes(opt_a, params_a, opt_b, params_b):
-    for p, q in zip(params_a, params_b):
-        torch.testing.assert_close(p, q)
-        assert opt_a.state[p].keys() == opt_b.state[q].keys()
-        for key, value in opt_a.state[p].items():
-            other = opt_b.state[q][key]
-            assert value.dtype == other.dtype, key
-            if value.is_floating_point():
-                torch.testing.assert_close(value, other, msg=key)
-            else:  # a code one step away, in one element of a thousand at most
-                differs = value.int() != other.int()
-                assert differs.float().mean() <= 1e-3, key
-                assert (value.int() - other.int()).abs().max() <= 1, key
+        assert_close_codes(*runs[1], *runs[0])
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -190,7 +175,7 @@ def test_an_int8_checkpoint_resumes_across_backends(name, path):
         if path == "foreach":
             assert_same_bits(opt, params, opt2, resumed)
         else:
-            _assert_close_codes(opt2, resumed, opt, params)
+            assert_close_codes(opt2, resumed, opt, params)
 
 
 @pytest.mark.parametrize("other", [torch.float32, torch.bfloat16])
@@ -387,7 +372,7 @@ def test_the_gpu_kernels_step_int8_state_as_the_reference(name, dtype, backend):
                                weight_decay=0.1)
         _run(opt, params, STEPS)
         runs.append((opt, params))
-    _assert_close_codes(*runs[1], *runs[0])
+    assert_close_codes(*runs[1], *runs[0])
 
 
 @needs_extension
@@ -468,4 +453,4 @@ def test_a_parameter_laid_out_otherwise_steps_as_the_reference(name, path, layou
     if path == "foreach":
         assert_same_bits(*runs[0], *runs[1])
     else:
-        _assert_close_codes(*runs[1], *runs[0])
+        assert_close_codes(*runs[1], *runs[0])

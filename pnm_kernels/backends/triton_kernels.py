@@ -43,7 +43,7 @@ def _element_math(p, g, m, m_other, v, v_max, decay, b1_sq, one_minus_b1_sq, b2,
     m = b1_sq * m + one_minus_b1_sq * g
     pn_momentum = (pos_coef * m + neg_coef * m_other) * inv_noise_norm
     if ADAPTIVE:
-        v = b2 * v + one_minus_b2 * (g * g)
+        v = b2 * v + (one_minus_b2 * g) * g  # addcmul's order: g * g overflows sooner
         second_moment = v
         if AMSGRAD:
             v_max = tl.where((v_max != v_max) | (v_max > v), v_max, v)  # NaN-propagating
