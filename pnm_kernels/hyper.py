@@ -74,10 +74,12 @@ def validate_group(group: dict, adaptive: bool, where: str) -> None:
 
 
 def _value_signature(v):
-    # A tensor by identity and version; a list (betas given as one) by its values: the list
-    # itself would equal itself after an edit in place, which then went unvalidated.
+    # A tensor by identity, version and memory (`lr.data = ...` bumps no version, and a Hyper
+    # holds a detached lr that keeps the old memory); a list (betas given as one) by its
+    # values: the list itself would equal itself after an edit in place, which then went
+    # unvalidated.
     if isinstance(v, torch.Tensor):
-        return id(v), v._version
+        return id(v), v._version, v.data_ptr()
     return tuple(v) if type(v) is list else v
 
 

@@ -54,6 +54,7 @@ class Planner:
         self.keys = keys  # the group keys that decide a step (hyper.PNM_KEYS / ADAPNM_KEYS)
         self._groupings: dict = {}
         self._hypers: dict = {}  # id(group) -> (signature, Hyper)
+        self._unique: set = set()  # the combinations of groupings found to step no parameter twice
 
     def buffer_names(self, names: tuple, group: dict) -> tuple:
         if self.adaptive and not group["amsgrad"]:
@@ -110,8 +111,15 @@ class Planner:
             grouping = self._groupings.get(key)
             regrouped |= grouping is None
             found.append((gi, group, key, grouping, grouping is not None, grads, indices))
-        if regrouped:
+        # Cached groupings each step a parameter once, but two of them may now step the same
+        # one (a parameter moved into a second group's list by hand): checked for every new
+        # combination.
+        combination = tuple(f[2] for f in found)
+        if regrouped or combination not in self._unique:
             check_unique(optimizer.param_groups)
+            if len(self._unique) > _MAX_GROUPINGS:
+                self._unique.clear()
+            self._unique.add(combination)
         batch_count = sum(len(f[3].batches) if f[3] else 1 for f in found)
         plan = []
         for gi, group, key, grouping, cached, grads, indices in found:

@@ -196,6 +196,52 @@ def test_parameters_without_gradients_taken_out_or_put_back_leave_the_others_ste
 
 
 @cases.parametrize(EVERY_PATH)
+def test_a_parameter_moved_into_a_second_groups_list_seen_before_is_refused(path, name):
+    """Both groups' lists were stepped before, each alone stepping every parameter once (the
+    planner's groupings are cached): put together they step one parameter twice. Refused,
+    naming both places, with nothing touched."""
+    a, b, c = make_params([(5,), (5,), (5,)])
+    opt = OPTIMIZERS[name]([dict(params=[b]), dict(params=[c, a])], lr=0.1, backend=path)
+    first, second = opt.param_groups
+    for edit in range(3):
+        if edit == 1:
+            first["params"], second["params"] = [a, b], [c]
+        elif edit == 2:
+            second["params"] = [c, a]  # the list of the first step again: a in both groups
+        for p, g in zip((a, b, c), grads_for_step([a, b, c], edit)):
+            p.grad = g
+        if edit < 2:
+            opt.step()
+    before = [p.detach().clone() for p in (a, b, c)]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[1\] .* same tensor as "
+                                         r"param_groups\[0\]\['params'\]\[0\]"):
+        opt.step()
+    assert all(torch.equal(p, q) for p, q in zip((a, b, c), before))
+    assert opt.state[a]["step"].item() == 2
+
+
+@pytest.mark.parametrize("learned", [False, True], ids=["lr-tensor", "lr-requiring-grad"])
+@cases.parametrize(EVERY_PATH)
+def test_an_lr_tensor_given_new_data_is_what_the_next_step_takes(path, name, learned):
+    """`lr.data = ...` bumps no version counter; a learned lr (requires_grad) is held
+    detached, which keeps the old memory: the step still reads the new value (here 0: the
+    parameters stay), and validates it (a NaN is refused)."""
+    lrs = [torch.tensor(0.1, requires_grad=learned) for _ in range(2)]
+    fast, params, ref, ref_params = _side_by_side(name, path, [(5,), (4, 3)])
+    fast.param_groups[0]["lr"], ref.param_groups[0]["lr"] = lrs
+    for t in range(4):
+        if t == 2:
+            for lr in lrs:
+                lr.data = torch.tensor(0.0)
+            stopped = [p.detach().clone() for p in params]
+        _step_both(fast, params, ref, ref_params, t)
+    assert all(torch.equal(p, q) for p, q in zip(params, stopped))
+    lrs[0].data = torch.tensor(float("nan"))
+    with pytest.raises(ValueError, match="lr"):
+        fast.step()
+
+
+@cases.parametrize(EVERY_PATH)
 def test_an_extra_group_key_holding_tensors_may_change_between_steps(path, name):
     """torch's optimizers carry a group's extra keys along whatever they hold."""
     fast, params, ref, ref_params = _side_by_side(name, path, [(3,)])
