@@ -92,6 +92,9 @@ class Planner:
         for gi, group in enumerate(optimizer.param_groups):
             self.hyper(group, gi)
             params = group["params"]
+            if not isinstance(params, (list, tuple)):  # set by hand: no order to step by
+                raise TypeError(f"param_groups[{gi}]['params'] is a {type(params).__name__}; "
+                                "it must be a list of parameters")
             grads = [p.grad for p in params]
             if only is not None:  # these parameters alone (by id): the others have no say
                 grads = [g if id(p) in only else None for p, g in zip(params, grads)]

@@ -111,7 +111,8 @@ class RepeatedStep:
         hypers = []
         for gi, (group, held) in enumerate(zip(groups, entries)):
             current = group["params"]
-            if (group is not held.group or len(current) != len(held.params)
+            if (group is not held.group or not isinstance(current, (list, tuple))
+                    or len(current) != len(held.params)
                     or not all(map(operator.is_, current, held.params))):
                 return False
             hyper = planner.hyper(group, gi)  # validated again where it changed

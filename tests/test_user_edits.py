@@ -220,6 +220,22 @@ def test_a_parameter_moved_into_a_second_groups_list_seen_before_is_refused(path
     assert opt.state[a]["step"].item() == 2
 
 
+@pytest.mark.parametrize("container", [set, lambda ps: dict.fromkeys(ps).keys(), torch.stack],
+                         ids=["set", "dict-keys", "tensor"])
+@cases.parametrize(EVERY_PATH)
+def test_params_set_by_hand_as_no_list_are_refused_naming_the_group(path, name, container):
+    """A set (or dict keys) has no order to step by (the fused step repeated from its lists
+    where it iterated in their order, and failed where not); a tensor would step its rows."""
+    fast, params, ref, ref_params = _side_by_side(name, path, [(5,), (5,)])
+    _step_both(fast, params, ref, ref_params, 0)
+    fast.param_groups[0]["params"] = container([p for p in params])
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\] is a .*; it must be a "
+                                        "list of parameters"):
+        fast.step()
+    fast.param_groups[0]["params"] = tuple(params)  # a tuple steps as the list would
+    _step_both(fast, params, ref, ref_params, 1)
+
+
 @pytest.mark.parametrize("learned", [False, True], ids=["lr-tensor", "lr-requiring-grad"])
 @cases.parametrize(EVERY_PATH)
 def test_an_lr_tensor_given_new_data_is_what_the_next_step_takes(path, name, learned):
