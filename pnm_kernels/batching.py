@@ -138,7 +138,7 @@ class BatchCache:
         for p in item.params:
             with _explained(optimizer, item.group, p):
                 check_state(optimizer.state, p, names)
-                check_unshared(optimizer.state, p, seen)
+                check_unshared(optimizer.state, p, seen, names)
 
 
 @contextlib.contextmanager

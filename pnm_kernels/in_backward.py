@@ -94,7 +94,10 @@ class StepInBackward:
         kept, refound = [], False
         for p in params:
             if not self._still_at(p, groups) and not refound:
+                # A group whose params were set by hand as no list steps nothing here: its
+                # gradients stay for step(), whose planner refuses it naming the group.
                 self._places = {id(q): (gi, pi) for gi, group in enumerate(groups)
+                                if isinstance(group["params"], (list, tuple))
                                 for pi, q in enumerate(group["params"])}
                 refound = True
             if self._still_at(p, groups):
@@ -103,8 +106,10 @@ class StepInBackward:
 
     def _still_at(self, p, groups) -> bool:
         gi, pi = self._places.get(id(p), (-1, -1))
-        return 0 <= gi < len(groups) and pi < len(groups[gi]["params"]) \
-            and groups[gi]["params"][pi] is p
+        if not 0 <= gi < len(groups):
+            return False
+        params = groups[gi]["params"]
+        return isinstance(params, (list, tuple)) and pi < len(params) and params[pi] is p
 
     def refuse_unreduced(self, named_params) -> None:
         """Refuses, naming it, a plain-tensor parameter that several ranks would step before

@@ -37,6 +37,15 @@ def check_param(param, gi, pi) -> None:
                 "(`t.data = t.data.resolve_conj().resolve_neg()`)")
 
 
+def check_param_list(group: dict, gi: int) -> None:
+    """A group's params as torch's add_param_group leaves them, a list (or a tuple set by
+    hand): a set or dict keys set by hand has no order to step by, a tensor would step rows."""
+    params = group["params"]
+    if not isinstance(params, (list, tuple)):
+        raise TypeError(f"param_groups[{gi}]['params'] is a {type(params).__name__}; it must "
+                        "be a list of parameters")
+
+
 def check_unique(param_groups) -> None:
     """Each parameter steps once: a parameter put into a group's list a second time by hand
     (add_param_group refuses it) is refused at the step, before anything is touched."""

@@ -13,7 +13,7 @@ from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
 from .hyper import (Hyper, check_state_dtype, signature, steps_in_float32, validate_group,
                     validate_lr)
-from .params import check_param, check_unique, describe, shards_match
+from .params import check_param, check_param_list, check_unique, describe, shards_match
 from .state import is_plain
 
 _MAX_GROUPINGS = 64
@@ -54,7 +54,8 @@ class Planner:
         self.keys = keys  # the group keys that decide a step (hyper.PNM_KEYS / ADAPNM_KEYS)
         self._groupings: dict = {}
         self._hypers: dict = {}  # id(group) -> (signature, Hyper)
-        self._unique: set = set()  # the combinations of groupings found to step no parameter twice
+        # The combinations of cached groupings (their ids) found to step no parameter twice.
+        self._unique: set = set()
 
     def buffer_names(self, names: tuple, group: dict) -> tuple:
         if self.adaptive and not group["amsgrad"]:
@@ -92,9 +93,7 @@ class Planner:
         for gi, group in enumerate(optimizer.param_groups):
             self.hyper(group, gi)
             params = group["params"]
-            if not isinstance(params, (list, tuple)):  # set by hand: no order to step by
-                raise TypeError(f"param_groups[{gi}]['params'] is a {type(params).__name__}; "
-                                "it must be a list of parameters")
+            check_param_list(group, gi)
             grads = [p.grad for p in params]
             if only is not None:  # these parameters alone (by id): the others have no say
                 grads = [g if id(p) in only else None for p, g in zip(params, grads)]
@@ -117,12 +116,13 @@ class Planner:
         # Cached groupings each step a parameter once, but two of them may now step the same
         # one (a parameter moved into a second group's list by hand): checked for every new
         # combination.
-        combination = tuple(f[2] for f in found)
-        if regrouped or combination not in self._unique:
+        combination = None if regrouped else tuple(id(f[3]) for f in found)
+        if combination not in self._unique:
             check_unique(optimizer.param_groups)
-            if len(self._unique) > _MAX_GROUPINGS:
-                self._unique.clear()
-            self._unique.add(combination)
+            if combination is not None:  # the next step's, after a new grouping
+                if len(self._unique) > _MAX_GROUPINGS:
+                    self._unique.clear()
+                self._unique.add(combination)
         batch_count = sum(len(f[3].batches) if f[3] else 1 for f in found)
         plan = []
         for gi, group, key, grouping, cached, grads, indices in found:
@@ -149,6 +149,7 @@ class Planner:
                 grouping = Grouping(group_batches(group, gi, indices))
                 if len(self._groupings) > _MAX_GROUPINGS:
                     self._groupings.clear()
+                    self._unique.clear()  # ids of groupings let go
                 self._groupings[key] = grouping
             for b, (backend, idx, _, _) in enumerate(grouping.batches):
                 batch_params, batch_grads = _pick(params, grads, idx)

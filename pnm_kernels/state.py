@@ -5,6 +5,7 @@ docs/design.md §5), so a change made from outside — a moment reset by hand, a
 counter, a whole state put back — must be seen, and the next step reads the state again, as
 torch's optimizers, which read it every step, would. The optimizers' own writes (put) are
 not counted: the lists built before stay valid."""
+import numbers
 import sys
 from collections import defaultdict
 from typing import Callable, Optional
@@ -205,11 +206,13 @@ def check_state(state: dict, p, names) -> None:
     if not entry:
         return
     for key in ("step", "seed"):
-        if entry.get(key) is not None and not is_one_number(entry[key]):
-            value = entry[key]
-            raise StateValueError(key, f"has {value.numel()} elements, not one"
-                                  if torch.is_tensor(value) else
-                                  f"is a {type(value).__name__}, not a number")
+        value = entry.get(key)
+        if value is None or is_one_number(value):
+            continue
+        if torch.is_tensor(value) and value.numel() != 1:
+            raise StateValueError(key, f"has {value.numel()} elements, not one")
+        what = f"a tensor of {value.dtype}" if torch.is_tensor(value) else type(value).__name__
+        raise StateValueError(key, f"is {what}, not a real number")
     for name in names:
         if entry.get(name) is not None:
             _check_buffer(entry, name, p)
@@ -220,19 +223,22 @@ def is_one_number(value) -> bool:
     (as_step and as_seed take either)."""
     if torch.is_tensor(value):
         return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, (int, float)) and not isinstance(value, bool)
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
 
 
-def check_unshared(state: dict, p, seen: dict) -> None:
-    """Raises SharedStateError where a tensor of p's state (a buffer, its counter, seed or
-    scales) is one that another parameter's state in `seen`, or another key of p's own,
-    holds too (an entry or a tensor put under two parameters or keys by hand, e.g. both
-    momenta reset with one zero tensor): each backend would step it another way. `seen`: the
-    tensors met so far, by id, with (parameter, key); a step passes one for all it builds."""
+def check_unshared(state: dict, p, seen: dict, names) -> None:
+    """Raises SharedStateError where a tensor of p's state that the step reads (a buffer of
+    `names`, its scales, the counter or seed) is one that another parameter's state in
+    `seen`, or another key of p's own, holds too (an entry or a tensor put under two
+    parameters or keys by hand, e.g. both momenta reset with one zero tensor): each backend
+    would step it another way. A user's own keys may hold anything. `seen`: the tensors met
+    so far, by id, with (parameter, key); a step passes one for all it builds."""
     entry = state.get(p)
     if not entry:
         return
-    for key, value in entry.items():
+    read = ("step", "seed", *names, *(quantization.scale_name(n) for n in names))
+    for key in read:
+        value = entry.get(key)
         if isinstance(value, torch.Tensor):
             other, other_key = seen.setdefault(id(value), (p, key))
             if other is not p or other_key != key:

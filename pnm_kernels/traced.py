@@ -11,8 +11,8 @@ from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import ParameterPlaces, writeback
 from .hyper import Hyper, lr_dtype_for, needs_seed, validate_group
-from .params import (check_unique, dense_copies, element_offset, kernel_batch, kernel_views,
-                     local)
+from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
+                     kernel_views, local)
 from .plan import group_batches
 from .quantization import scale_name
 
@@ -67,6 +67,8 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
     validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
     if gi == 0:
+        for i, g in enumerate(optimizer.param_groups):
+            check_param_list(g, i)
         check_unique(optimizer.param_groups)
     num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]

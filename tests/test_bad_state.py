@@ -102,7 +102,9 @@ BAD_STATE_VALUES = {
     "a float for scales": (lambda st, m: st.__setitem__(f"{m}_scale", 1.0),
                            r"'{m}_scale' is float, not a floating tensor of block scales"),
     "codes on another device": (lambda st, m: st.__setitem__(m, st[m].to("meta")),
-                                r"'{m}_scale' is on cpu, its codes on meta"),
+                                r"'{m}_scale' is on \S+, its codes on meta"),
+    "a bool step": (lambda st, m: st.__setitem__("step", torch.tensor(True)),
+                    r"'step' is a tensor of torch.bool, not a real number"),
 }
 
 

@@ -140,15 +140,35 @@ def test_loading_another_optimizers_state_dict_raises_before_changing_anything(c
 
 
 def test_keys_of_the_users_own_beside_the_buffers_load_and_stay():
-    """As torch's optimizers keep them."""
+    """As torch's optimizers keep them; one may even hold a buffer's own tensor."""
     params = make_params([(4,)])
     opt = PNM(params, lr=0.05)
     train(opt, params, 2)
     saved = copy.deepcopy(opt.state_dict())
     saved["state"][0]["my_ema"] = torch.ones(4)
     opt.load_state_dict(saved)
+    opt.state[params[0]]["my_view"] = opt.state[params[0]]["pos_momentum"]
     train(opt, params, 1, start=2)
     assert torch.equal(opt.state[params[0]]["my_ema"], torch.ones(4))
+
+
+@pytest.mark.parametrize("kind", ["numpy-int64", "numpy-float32", "one-element-tensor"])
+@OVER_OPTIMIZERS
+def test_a_step_counter_set_as_any_real_number_counts_on(name, kind):
+    """numpy's numbers (a checkpoint made with them) and a one-element tensor of any real
+    dtype are counters as a Python int is."""
+    import numpy
+
+    as_kind = {"numpy-int64": numpy.int64, "numpy-float32": numpy.float32,
+               "one-element-tensor": lambda v: torch.tensor([v], dtype=torch.int32)}[kind]
+    params, ref_params = make_params([(4,)]), make_params([(4,)])
+    opt, ref = OPTIMIZERS[name](params, lr=0.05), OPTIMIZERS[name](ref_params, lr=0.05)
+    train(opt, params, 2)
+    train(ref, ref_params, 2)
+    opt.state[params[0]]["step"] = as_kind(2)
+    train(opt, params, 2, start=2)
+    train(ref, ref_params, 2, start=2)
+    assert_states_close(opt, params, ref, ref_params)
 
 
 @OVER_OPTIMIZERS

@@ -482,3 +482,21 @@ def test_load_state_dict_keeps_the_step_in_backward():
                 opt.step(lambda: 0.0)
         runs.append((model, opt))
     _assert_same(*runs[0], *runs[1])
+
+
+def test_params_set_by_hand_as_a_set_are_refused_naming_the_group_nothing_stepped():
+    """Inside backward no bucket of such a group steps (its gradients stay); step() then
+    refuses the group, naming it, as the ordinary step does."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    _train(model, opt, _batches(2))  # the probe, then a step inside backward
+    opt.param_groups[0]["params"] = set(opt.param_groups[0]["params"])
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(_batches(3)[2]).pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\] is a set; it must be a "
+                                        "list of parameters"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
