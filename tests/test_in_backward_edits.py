@@ -1,0 +1,174 @@
+"""optimizer.step_in_backward() (docs/design.md §9) under what a training loop does between
+backward passes: zero-filled gradients kept for a layer the loss stops reaching, a backward
+pass that fails half way, a refused probe retried, groups added, a parameter taken out of its
+group or moved into another, a state_dict loaded, params set by hand as no list. Each gives
+the ordinary loop's parameters and state bitwise, or is refused naming the group before
+anything moved."""
+import copy
+
+import pytest
+import torch
+
+from conftest import assert_same_bits
+from pnm_kernels import PNM, AdaPNM
+from test_step_in_backward import _assert_same, _batches, _model, _train
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (an out-of-memory error, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated failure in backward")
+
+
+def _loop_with_edge_cases(in_backward, set_to_none_at=None):
+    """zero_grad(set_to_none=False) (but set_to_none=True at step `set_to_none_at`); a layer
+    the loss reaches only in some steps; one backward pass that fails after a layer's
+    gradients were accumulated (the batch skipped)."""
+    torch.manual_seed(0)
+    a, b, c, sometimes = (torch.nn.Linear(4, 4), torch.nn.Linear(4, 2), torch.nn.Linear(4, 2),
+                          torch.nn.Linear(4, 2))
+    opt = PNM([*a.parameters(), *b.parameters(), *sometimes.parameters()], lr=0.1,
+              weight_decay=0.1)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=100 / 2**20)  # a's gradients alone stay pending
+    gen = torch.Generator().manual_seed(2)
+    for k in range(6):
+        opt.zero_grad(set_to_none=k == set_to_none_at)
+        x = torch.randn(8, 4, generator=gen)
+        if k == 3:
+            loss = _FailsInBackward.apply(c(x)).sum() + a(x).sum()
+        else:
+            loss = b(a(x)).square().mean() + (sometimes(x).square().mean() if k < 2 else 0)
+        try:
+            loss.backward()
+        except RuntimeError:
+            continue
+        opt.step()
+    return [a, b, sometimes], opt
+
+
+@pytest.mark.parametrize("set_to_none_at, steps_of_the_unreached_layer", [(None, 5), (2, 2)])
+def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_loop(
+        set_to_none_at, steps_of_the_unreached_layer):
+    """zero_grad(set_to_none=False) keeps a zero gradient for a layer the loss stops reaching,
+    which the ordinary step still steps (decay, momentum, its counter): so does the step in
+    backward, at step(); until one zero_grad(set_to_none=True) drops it, after which neither
+    steps the layer. A backward pass that fails leaves nothing pending for the next."""
+    (layers_a, opt_a), (layers_b, opt_b) = (_loop_with_edge_cases(False, set_to_none_at),
+                                            _loop_with_edge_cases(True, set_to_none_at))
+    params_a = [p for layer in layers_a for p in layer.parameters()]
+    params_b = [p for layer in layers_b for p in layer.parameters()]
+    assert int(opt_b.state[layers_b[2].weight]["step"]) == steps_of_the_unreached_layer
+    assert_same_bits(opt_a, params_a, opt_b, params_b)
+
+
+def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    with pytest.raises(RuntimeError, match="gradient clipping"):
+        _train(model, opt, _batches(1), clip=True)
+    _train(model, opt, _batches(2))  # the loop fixed: the probe passes, then in backward
+    extra = torch.nn.Linear(16, 3)
+    opt.add_param_group({"params": list(extra.parameters())})
+    (model(_batches(1)[0]).sum() + extra(_batches(1)[0]).sum()).backward()
+    assert all(p.grad is None for p in [*model.parameters(), *extra.parameters()])
+    assert int(opt.state[extra.weight]["step"]) == 1
+
+
+def _regrouped_training(in_backward, edit_at, edit, moved):
+    """Six steps of AdaPNM in buckets of one parameter; before step `edit_at` the last bias
+    or the first weight (every parameter after it then one place earlier) is taken out of
+    the group ("to-sgd": given to torch's SGD, stepped after ours) or moved
+    into a group of its own ("new-group", add_param_group with another lr). Returns the
+    model and whether that bias held a gradient after each backward pass from then on."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2, weight_decay=0.1, backend="fused")
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)
+    bias = model[4].bias if moved == "last-bias" else model[0].weight
+    other, kept = None, []
+    for t, x in enumerate(_batches(6)):
+        if t == edit_at:
+            opt.param_groups[0]["params"] = [p for p in opt.param_groups[0]["params"]
+                                             if p is not bias]
+            if edit == "to-sgd":
+                other = torch.optim.SGD([bias], lr=0.5)
+            else:
+                opt.add_param_group(dict(params=[bias], lr=1e-3))
+        model(x).pow(2).mean().backward()
+        if t >= edit_at:
+            kept.append(bias.grad is not None)
+        opt.step()
+        if other is not None:
+            other.step()
+            other.zero_grad()
+        # After the step: zeroed before backward, the ordinary loop would add the bias's last
+        # gradient from our group to its first in SGD's (our zero_grad no longer reaches it),
+        # where in backward that gradient was freed once stepped.
+        opt.zero_grad()
+    return model, kept
+
+
+@pytest.mark.parametrize("edit_at", [0, 3], ids=["before-the-first-step", "mid-training"])
+@pytest.mark.parametrize("edit", ["to-sgd", "new-group"])
+@pytest.mark.parametrize("moved", ["last-bias", "first-weight"])
+def test_a_parameter_taken_out_of_its_group_is_stepped_where_it_went(edit, edit_at, moved):
+    """Its hook stays (autograd's cannot be removed one by one): taken out of the optimizer
+    it keeps its gradient for whoever steps it now; moved into a new group it is hooked once
+    (a second hook would count two backward passes at the probe). Bitwise the ordinary
+    loop either way."""
+    if "fused" not in __import__("pnm_kernels").available_backends("cpu"):
+        pytest.skip("pnm_kernels._C is not built")
+    ordinary, _ = _regrouped_training(False, edit_at, edit, moved)
+    model, kept = _regrouped_training(True, edit_at, edit, moved)
+    assert all(kept) if edit == "to-sgd" else not any(kept[1:])
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        assert torch.equal(p, q)
+
+
+def test_load_state_dict_keeps_the_step_in_backward():
+    """torch's load_state_dict goes through __setstate__, which makes the step paths anew: the
+    handle stays (its refusals too), and the loaded state steps inside backward."""
+    runs = []
+    for in_backward in (False, True):
+        model = _model()
+        opt = AdaPNM(model.parameters(), lr=1e-2, weight_decay=0.1)
+        handle = opt.step_in_backward(bucket_mib=0.05) if in_backward else None
+        batches = _batches(6)
+        _train(model, opt, batches[:3])
+        opt.load_state_dict(copy.deepcopy(opt.state_dict()))
+        if handle is not None:
+            assert opt._in_backward is handle
+            with pytest.raises(RuntimeError, match="already steps inside backward"):
+                opt.step_in_backward()
+        _train(model, opt, batches[3:])
+        if handle is not None:
+            assert all(p.grad is None for p in model.parameters())
+            with pytest.raises(RuntimeError, match="closure"):
+                opt.step(lambda: 0.0)
+        runs.append((model, opt))
+    _assert_same(*runs[0], *runs[1])
+
+
+def test_params_set_by_hand_as_a_set_are_refused_naming_the_group_nothing_stepped():
+    """Inside backward no bucket of such a group steps (its gradients stay); step() then
+    refuses the group, naming it, as the ordinary step does."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    _train(model, opt, _batches(2))  # the probe, then a step inside backward
+    opt.param_groups[0]["params"] = set(opt.param_groups[0]["params"])
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(_batches(3)[2]).pow(2).mean().backward()
+    assert all(p.grad is not None for p in model.parameters())
+    with pytest.raises(TypeError, match=r"param_groups\[0\]\['params'\] is a set; it must be a "
+                                        "list of parameters"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
