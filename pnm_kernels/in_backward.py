@@ -21,7 +21,7 @@ import torch
 
 from .in_backward_ddp import ReducedBuckets, ReducedSteps, backward_pass, managed_by
 from .fingerprints import fingerprint, same
-from .params import local
+from .params import is_param_list, local
 
 
 class StepInBackward:
@@ -97,7 +97,7 @@ class StepInBackward:
                 # A group whose params were set by hand as no list steps nothing here: its
                 # gradients stay for step(), whose planner refuses it naming the group.
                 self._places = {id(q): (gi, pi) for gi, group in enumerate(groups)
-                                if isinstance(group["params"], (list, tuple))
+                                if is_param_list(group["params"])
                                 for pi, q in enumerate(group["params"])}
                 refound = True
             if self._still_at(p, groups):
@@ -109,7 +109,7 @@ class StepInBackward:
         if not 0 <= gi < len(groups):
             return False
         params = groups[gi]["params"]
-        return isinstance(params, (list, tuple)) and pi < len(params) and params[pi] is p
+        return is_param_list(params) and pi < len(params) and params[pi] is p
 
     def refuse_unreduced(self, named_params) -> None:
         """Refuses, naming it, a plain-tensor parameter that several ranks would step before

@@ -9,7 +9,6 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import plan as planning
-from . import quantization
 from . import traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
@@ -17,7 +16,8 @@ from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
 from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
-from .state import OptimizerState, as_step, is_one_number, plain_state_entries, put, tracked
+from .state import (OptimizerState, as_step, is_one_number, keys_read, plain_state_entries, put,
+                    tracked)
 
 BACKENDS = BACKEND_NAMES
 # The group keys load_state_dict keeps from the loading optimizer (how it runs).
@@ -218,7 +218,7 @@ def _refuse_foreign_state(state_dict: dict, names: tuple, optimizer: str) -> Non
     but keys it never holds: another optimizer's state (SGD's momentum_buffer, RMSprop's
     square_avg), whose step counter would carry over onto fresh buffers. Keys of a user's own
     beside this optimizer's buffers stay, as torch's optimizers keep them."""
-    own = {"step", "seed", *names, *(quantization.scale_name(n) for n in names)}
+    own = set(keys_read(names))
     for index, entry in state_dict.get("state", {}).items():
         foreign = sorted(str(key) for key in entry if key not in own)
         if foreign and not any(name in entry for name in names):

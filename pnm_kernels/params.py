@@ -37,11 +37,17 @@ def check_param(param, gi, pi) -> None:
                 "(`t.data = t.data.resolve_conj().resolve_neg()`)")
 
 
+def is_param_list(params) -> bool:
+    """Whether a group's params are as torch's add_param_group leaves them, a list (or a
+    tuple set by hand): a set or dict keys set by hand has no order to step by, a tensor
+    would step rows."""
+    return isinstance(params, (list, tuple))
+
+
 def check_param_list(group: dict, gi: int) -> None:
-    """A group's params as torch's add_param_group leaves them, a list (or a tuple set by
-    hand): a set or dict keys set by hand has no order to step by, a tensor would step rows."""
+    """Raises, naming the group, where its params are no list (is_param_list)."""
     params = group["params"]
-    if not isinstance(params, (list, tuple)):
+    if not is_param_list(params):
         raise TypeError(f"param_groups[{gi}]['params'] is a {type(params).__name__}; it must "
                         "be a list of parameters")
 

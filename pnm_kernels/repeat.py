@@ -15,7 +15,7 @@ import torch
 from .backends import BACKENDS
 from .backends.base import Batch, HeldLists, Scaling, step_lists
 from .batching import BatchCache
-from .params import holdable
+from .params import holdable, is_param_list
 from .plan import Planner
 from .state import ParamState, buffer_fits, counted_entry
 
@@ -111,7 +111,7 @@ class RepeatedStep:
         hypers = []
         for gi, (group, held) in enumerate(zip(groups, entries)):
             current = group["params"]
-            if (group is not held.group or not isinstance(current, (list, tuple))
+            if (group is not held.group or not is_param_list(current)
                     or len(current) != len(held.params)
                     or not all(map(operator.is_, current, held.params))):
                 return False

@@ -226,6 +226,12 @@ def is_one_number(value) -> bool:
     return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
 
 
+def keys_read(names) -> tuple:
+    """The keys of a parameter's state that a step with buffers `names` reads: the counter,
+    the seed, the buffers and their int8 scales. Any other key is a user's own."""
+    return ("step", "seed", *names, *(quantization.scale_name(n) for n in names))
+
+
 def check_unshared(state: dict, p, seen: dict, names) -> None:
     """Raises SharedStateError where a tensor of p's state that the step reads (a buffer of
     `names`, its scales, the counter or seed) is one that another parameter's state in
@@ -236,8 +242,7 @@ def check_unshared(state: dict, p, seen: dict, names) -> None:
     entry = state.get(p)
     if not entry:
         return
-    read = ("step", "seed", *names, *(quantization.scale_name(n) for n in names))
-    for key in read:
+    for key in keys_read(names):
         value = entry.get(key)
         if isinstance(value, torch.Tensor):
             other, other_key = seen.setdefault(id(value), (p, key))
