@@ -130,13 +130,13 @@ class BatchCache:
             count_replacement()
         return state
 
-    def check_states(self, optimizer, item, names, seen: dict) -> None:
-        """Raises, naming the parameter, where building the item's batch would raise on its
-        state, or its state shares a tensor with another parameter's (`seen`: see
-        check_unshared), before any state is converted (plan.run asks it of every batch to
-        build)."""
-        for p in item.params:
-            with _explained(optimizer, item.group, p):
+    def check_states(self, optimizer, group, params, names, seen: dict) -> None:
+        """Raises, naming the parameter, where building a batch of these parameters of the
+        group would raise on one's state, or its state shares a tensor with another
+        parameter's (`seen`: see check_unshared), before any state is converted (plan.run
+        asks it of every batch to build, traced.init_group of every group)."""
+        for p in params:
+            with _explained(optimizer, group, p):
                 check_state(optimizer.state, p, names)
                 check_unshared(optimizer.state, p, seen, names)
 

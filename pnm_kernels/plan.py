@@ -234,7 +234,7 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     seen: dict = {}  # the state tensors met: one shared between parameters is refused
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
-            cache.check_states(optimizer, item, n, seen)
+            cache.check_states(optimizer, item.group, item.params, n, seen)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
     on_device = {}

@@ -55,6 +55,24 @@ def step(optimizer, scaling: Scaling) -> None:
             start = end
 
 
+def _check_every_group(optimizer) -> None:
+    """What a step refuses in any group (params that are no list or appear twice, a bad
+    hyper-parameter, state no step can use or shared between parameters or keys), checked
+    before the first group's state is made or converted: dynamo runs init_group a group at a
+    time, and a refusal in a later group would leave the earlier ones' state converted."""
+    groups = optimizer.param_groups
+    for gi, group in enumerate(groups):
+        check_param_list(group, gi)
+    check_unique(groups)
+    seen: dict = {}
+    for gi, group in enumerate(groups):
+        validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
+        num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
+        optimizer._batches.check_states(optimizer, group,
+                                        [p for p in group["params"] if p.grad is not None],
+                                        optimizer._buffer_names[:num_buffers], seen)
+
+
 def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
                seeds, scales):
     """Run untraced (see the optimizer's _init_group): validates the group, checks its
@@ -67,9 +85,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
     validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
     if gi == 0:
-        for i, g in enumerate(optimizer.param_groups):
-            check_param_list(g, i)
-        check_unique(optimizer.param_groups)
+        _check_every_group(optimizer)
     num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
     names = optimizer._buffer_names[:num_buffers]

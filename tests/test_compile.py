@@ -96,6 +96,49 @@ def test_a_compiled_step_refuses_a_bad_gradient_naming_it(name):
     assert [opt.state[p]["step"].item() for p in params] == [1, 1]
 
 
+def _counter_of_three_elements(state, first, second):
+    state["step"] = torch.zeros(3, device=DEVICE)
+
+
+def _one_tensor_under_two_keys(state, first, second):
+    state[second] = state[first]
+
+
+def _a_buffer_that_is_no_tensor(state, first, second):
+    state[second] = "zeros"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_counter_of_three_elements, "'step' has 3 elements"),
+    (_one_tensor_under_two_keys, "is the very tensor of its own state"),
+    (_a_buffer_that_is_no_tensor, "is a str, not a tensor")], ids=["counter", "shared", "str"])
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_a_compiled_step_refuses_bad_state_naming_it_before_any_state_converts(name, edit,
+                                                                              match):
+    """As the eager step (tests/test_bad_state.py): state set by hand that no step can use is
+    refused naming the parameter, and the first group, whose state_dtype was switched in the
+    same edit, keeps its state unconverted (dynamo makes each group's state in turn)."""
+    torch._dynamo.reset()
+    params = [torch.randn(5, device=DEVICE, requires_grad=True) for _ in range(2)]
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:], lr=1e-3)],
+                           lr=1e-2, backend="fused")
+    step = torch.compile(opt.step, backend=CompileCounter())
+    for p in params:
+        p.grad = torch.ones_like(p)
+    step()
+    values = [p.detach().clone() for p in params]
+    first_state = dict(opt.state[params[0]])
+    opt.param_groups[0]["state_dtype"] = torch.bfloat16
+    edit(opt.state[params[1]], *opt._buffer_names[:2])
+    try:
+        with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\].*" + match):
+            step()
+    finally:
+        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert all(opt.state[params[0]][key] is value for key, value in first_state.items())
+
+
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name):
     """fp32/fp16/bf16, complex, transposed, channels_last, a strided slice, 0-dim and empty
