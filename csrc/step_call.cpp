@@ -72,6 +72,22 @@ void check_int8_call(const StepCall& call, const char* const* names) {
   }
 }
 
+// The expectation of the op call running on this thread, if it comes from held lists.
+struct Expectation {
+  const HeldMemory* memory;
+  const std::vector<int64_t>* at;
+};
+thread_local const Expectation* expected_memory = nullptr;
+
+// Refuses tensor i of list `block` (HeldMemory's) given other memory than the held lists'.
+void check_memory(const Expectation& e, int block, size_t i, const at::Tensor& t,
+                  const char* name) {
+  const std::vector<Memory>& held = (*e.memory)[block];
+  const size_t h = e.at == nullptr ? i : static_cast<size_t>((*e.at)[i]);
+  TORCH_CHECK(h < held.size() && !(memory_of(t) != held[h]), "pnm_kernels: ", name, "[", i,
+              "] is in other memory than when the held lists were made (t.data = ...)");
+}
+
 void check_call(const StepCall& call, const char* const* names, c10::DeviceType device_type) {
   const size_t n = call.lists[0].size();
   for (int l = 1; l < call.num_lists; ++l) {
@@ -89,6 +105,8 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
   TORCH_CHECK(std::isfinite(h.weight_decay) && h.weight_decay >= 0.0,
               "pnm_kernels: invalid weight_decay ", h.weight_decay);
   if (n == 0) return;
+  // Held lists hold only the float ops' lists (the state ops' are confirmed by HeldLayouts).
+  const Expectation* expected = call.own_state_dtype ? nullptr : expected_memory;
 
   const at::Tensor& first = call.lists[0][0];
   const c10::Device device = first.device();
@@ -132,6 +150,9 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
     for (int l = 0; l < call.num_lists; ++l) {
       const at::Tensor& t = call.lists[l][i];
       TORCH_CHECK(t.defined(), "pnm_kernels: ", names[l], "[", i, "] is undefined");
+      if (expected != nullptr && l != 1) {  // gradients are not held
+        check_memory(*expected, l == 0 ? 0 : l - 1, i, t, names[l]);
+      }
       TORCH_CHECK(t.layout() == at::kStrided, "pnm_kernels: ", names[l], "[", i,
                   "] is sparse; PNM/AdaPNM do not support sparse tensors");
       TORCH_CHECK(t.device() == device, "pnm_kernels: ", names[l], "[", i, "] is on ",
@@ -152,6 +173,7 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                     s.device() == device,
                 "pnm_kernels: steps[", i, "] must be a float64 tensor with one element on ",
                 device);
+    if (expected != nullptr) check_memory(*expected, 5, i, s, "steps");
   }
   // lr alone may be float64 (read in full, for float64 parameters) and on the CPU (read on
   // the host, with no device synchronisation).
@@ -192,6 +214,14 @@ StepCall common_call(at::TensorList params, at::TensorList grads, at::TensorList
 }
 
 }  // namespace
+
+ExpectMemory::ExpectMemory(const HeldMemory& memory, const std::vector<int64_t>* at) {
+  static thread_local Expectation expectation;
+  expectation = {&memory, at};
+  expected_memory = &expectation;
+}
+
+ExpectMemory::~ExpectMemory() { expected_memory = nullptr; }
 
 StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
                        at::TensorList neg_momentums, at::TensorList steps, double lr,

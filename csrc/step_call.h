@@ -6,6 +6,7 @@
 #include <c10/util/BFloat16.h>
 #include <c10/util/Half.h>
 
+#include <array>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -41,6 +42,39 @@ struct StepCall {
   at::TensorList scales;
 
   int64_t size() const { return static_cast<int64_t>(lists[0].size()); }
+};
+
+// Where a tensor's elements are: its storage and its offset in it (none for a tensor without
+// storage). `t.data = other` and `t.set_(...)` change either. Fields of the tensor itself:
+// reading the storage's data pointer too would cost a second cache miss a tensor.
+struct Memory {
+  const void* storage;
+  int64_t offset;
+  bool operator!=(const Memory& other) const {
+    return storage != other.storage || offset != other.offset;
+  }
+};
+
+inline Memory memory_of(const at::Tensor& t) {
+  if (!t.defined()) return {nullptr, 0};
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  return {impl->unsafe_storage().unsafeGetStorageImpl(), impl->storage_offset()};
+}
+
+// The memory of held lists' tensors (StepLists): blocks of params, buffer0..3 and steps.
+using HeldMemory = std::array<std::vector<Memory>, 6>;
+
+// For the length of one op call from held lists, the memory each tensor of the call must be
+// at (`at`: each tensor's index in the held lists, for a call over some of them; null for
+// all): check_call compares it as it checks each tensor, in the pass it makes over them
+// anyway (a pass of its own cost a cache miss a tensor, every step), and refuses a tensor
+// given other memory since the lists were made.
+class ExpectMemory {
+ public:
+  ExpectMemory(const HeldMemory& memory, const std::vector<int64_t>* at);
+  ~ExpectMemory();
+  ExpectMemory(const ExpectMemory&) = delete;
+  ExpectMemory& operator=(const ExpectMemory&) = delete;
 };
 
 // Builds and validates a call; throws (c10::Error) naming the argument and tensor index.

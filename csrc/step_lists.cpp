@@ -62,8 +62,8 @@ void StepLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr,
                          std::optional<at::Tensor> lr_tensor,
                          std::optional<at::Tensor> grad_scale,
                          std::optional<at::Tensor> found_inf) {
-  pnm_step_on(params, grads, buffer0, buffer1, steps, emulate, lr, beta1, beta0, weight_decay,
-              decoupled, maximize, lr_tensor, grad_scale, found_inf);
+  pnm_step_on(params, grads, buffer0, buffer1, steps, nullptr, emulate, lr, beta1, beta0,
+              weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf);
 }
 
 void StepLists::adapnm_step(std::vector<at::Tensor> grads, bool emulate, double lr,
@@ -72,8 +72,8 @@ void StepLists::adapnm_step(std::vector<at::Tensor> grads, bool emulate, double 
                             std::optional<at::Tensor> lr_tensor,
                             std::optional<at::Tensor> grad_scale,
                             std::optional<at::Tensor> found_inf) {
-  adapnm_step_on(params, grads, buffer0, buffer1, buffer2, buffer3, steps, emulate, lr, beta1,
-                 beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor,
+  adapnm_step_on(params, grads, buffer0, buffer1, buffer2, buffer3, steps, nullptr, emulate, lr,
+                 beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor,
                  grad_scale, found_inf);
 }
 
@@ -91,8 +91,8 @@ bool StepLists::pnm_step_own_grads(bool use_taken, bool emulate, double lr, doub
   } else {
     const auto& at = own.present;
     pnm_step_on(BorrowedSubset(params, at).get(), own.grads, BorrowedSubset(buffer0, at).get(),
-                BorrowedSubset(buffer1, at).get(), BorrowedSubset(steps, at).get(), emulate, lr,
-                beta1, beta0, weight_decay, decoupled, maximize, lr_tensor, grad_scale,
+                BorrowedSubset(buffer1, at).get(), BorrowedSubset(steps, at).get(), &at, emulate,
+                lr, beta1, beta0, weight_decay, decoupled, maximize, lr_tensor, grad_scale,
                 found_inf);
   }
   return true;
@@ -115,7 +115,7 @@ bool StepLists::adapnm_step_own_grads(bool use_taken, bool emulate, double lr, d
     adapnm_step_on(BorrowedSubset(params, at).get(), own.grads,
                    BorrowedSubset(buffer0, at).get(), BorrowedSubset(buffer1, at).get(),
                    BorrowedSubset(buffer2, at).get(), BorrowedSubset(buffer3, at).get(),
-                   BorrowedSubset(steps, at).get(), emulate, lr, beta1, beta2, beta0, eps,
+                   BorrowedSubset(steps, at).get(), &at, emulate, lr, beta1, beta2, beta0, eps,
                    weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale,
                    found_inf);
   }
@@ -140,9 +140,33 @@ void StepLists::hold_outside(std::vector<at::Tensor> params_without_state) {
   outside = std::move(params_without_state);
 }
 
+HeldMemory StepLists::memory_now() const {
+  HeldMemory memory;
+  int block = 0;
+  for (const std::vector<at::Tensor>* list :
+       {&params, &buffer0, &buffer1, &buffer2, &buffer3, &steps}) {
+    for (const at::Tensor& t : *list) memory[block].push_back(memory_of(t));
+    ++block;
+  }
+  return memory;
+}
+
+bool StepLists::memory_unchanged() const {
+  int block = 0;
+  for (const std::vector<at::Tensor>* list :
+       {&params, &buffer0, &buffer1, &buffer2, &buffer3, &steps}) {
+    const std::vector<Memory>& held = memory_[block++];
+    if (held.size() != list->size()) return false;
+    for (size_t i = 0; i < held.size(); ++i) {
+      if (memory_of((*list)[i]) != held[i]) return false;
+    }
+  }
+  return true;
+}
+
 bool StepLists::held_lists_ok() const {
   const size_t n = params.size();
-  if (buffer0.size() != n || steps.size() != n) return false;
+  if (buffer0.size() != n || steps.size() != n || !memory_unchanged()) return false;
   // The buffers held (a list with tensors), each needing one tensor per parameter.
   const std::vector<at::Tensor>* held[4];
   int num_held = 0;
@@ -228,13 +252,15 @@ bool StepLists::own_grads(OwnGrads& own) const {
 void StepLists::pnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
                             const std::vector<at::Tensor>& m,
                             const std::vector<at::Tensor>& m_other,
-                            const std::vector<at::Tensor>& s, bool emulate, double lr,
+                            const std::vector<at::Tensor>& s,
+                            const std::vector<int64_t>* at, bool emulate, double lr,
                             double beta1, double beta0, double weight_decay, bool decoupled,
                             bool maximize, const std::optional<at::Tensor>& lr_tensor,
                             const std::optional<at::Tensor>& grad_scale,
                             const std::optional<at::Tensor>& found_inf) {
   static const auto op = find_op<PnmStepFn>("pnm_kernels::pnm_step_");
   static const auto emulated = find_op<PnmStepFn>("pnm_kernels::emulated_cuda_pnm_step_");
+  const ExpectMemory expect(memory_, at);
   (emulate ? emulated : op)
       .call(p, g, m, m_other, s, lr, beta1, beta0, weight_decay, decoupled, maximize, lr_tensor,
             grad_scale, found_inf, blocks_done);
@@ -244,13 +270,14 @@ void StepLists::adapnm_step_on(
     const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
     const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
     const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& v_max,
-    const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1, double beta2,
-    double beta0, double eps, double weight_decay, bool amsgrad, bool decoupled, bool maximize,
-    const std::optional<at::Tensor>& lr_tensor, const std::optional<at::Tensor>& grad_scale,
-    const std::optional<at::Tensor>& found_inf) {
+    const std::vector<at::Tensor>& s, const std::vector<int64_t>* at, bool emulate, double lr,
+    double beta1, double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+    bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
+    const std::optional<at::Tensor>& grad_scale, const std::optional<at::Tensor>& found_inf) {
   static const auto op = find_op<AdaPnmStepFn>("pnm_kernels::adapnm_step_");
   static const auto emulated =
       find_op<AdaPnmStepFn>("pnm_kernels::emulated_cuda_adapnm_step_");
+  const ExpectMemory expect(memory_, at);
   (emulate ? emulated : op)
       .call(p, g, m, m_other, v, v_max, s, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
             decoupled, maximize, lr_tensor, grad_scale, found_inf, blocks_done);
@@ -310,7 +337,8 @@ HeldLayouts::HeldLayouts(std::vector<at::Tensor> tensors) : tensors_(std::move(t
   for (const at::Tensor& t : tensors_) {
     TORCH_CHECK(t.defined() && t.layout() == at::kStrided,
                 "pnm_kernels: HeldLayouts holds dense tensors");
-    layouts_.push_back({t.scalar_type(), t.device(), t.sizes().vec(), t.strides().vec()});
+    layouts_.push_back(
+        {t.scalar_type(), t.device(), t.sizes().vec(), t.strides().vec(), memory_of(t)});
   }
 }
 
@@ -320,7 +348,7 @@ bool HeldLayouts::unchanged() const {
     const Layout& was = layouts_[i];
     if (t.scalar_type() != was.dtype || t.device() != was.device ||
         t.layout() != at::kStrided || t.sizes() != at::IntArrayRef(was.sizes) ||
-        t.strides() != at::IntArrayRef(was.strides)) {
+        t.strides() != at::IntArrayRef(was.strides) || memory_of(t) != was.memory) {
       return false;
     }
   }

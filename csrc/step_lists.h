@@ -9,6 +9,8 @@
 #include <optional>
 #include <vector>
 
+#include "step_call.h"
+
 namespace pnm {
 
 // The lists of a batch that stay the same from step to step (parameters, buffers, step
@@ -28,7 +30,7 @@ struct StepLists : torch::CustomClassHolder {
             std::optional<at::Tensor> blocks_done)
       : params(std::move(params)), buffer0(std::move(buffer0)), buffer1(std::move(buffer1)),
         buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)),
-        blocks_done(std::move(blocks_done)) {}
+        blocks_done(std::move(blocks_done)), memory_(memory_now()) {}
 
   void pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
                 double beta0, double weight_decay, bool decoupled, bool maximize,
@@ -83,6 +85,15 @@ struct StepLists : torch::CustomClassHolder {
   // thousands of tensors, so the cheap comparisons come first.
   bool held_lists_ok() const;
 
+  // Whether every held tensor still points at the memory it did when the lists were made.
+  // `t.data = other` of the same dtype and shape fits as before, but may make a buffer share
+  // memory with another (or with a parameter), which each backend would step another way;
+  // the optimizer checked the memory when it built the batch (pnm_kernels/aliasing.py) and
+  // builds it again, checking, when this says no. Asked by held_lists_ok and the careful
+  // path; a step from the held lists has check_call compare each tensor's memory in the pass
+  // it makes over them anyway (ExpectMemory), and refuse.
+  bool memory_unchanged() const;
+
   // For the Triton step, which writes through raw pointers: the version counters of the
   // params, the first num_buffers buffers and the counters (see bump_versions in
   // step_call.h).
@@ -110,13 +121,20 @@ struct StepLists : torch::CustomClassHolder {
   OwnGrads taken;  // see take_own_grads
   bool has_taken = false;
   std::vector<at::Tensor> outside;  // see hold_outside
+  // The memory of params, buffer0..3 and steps (HeldMemory's blocks) when the lists were
+  // made.
+  HeldMemory memory_;
+
+  HeldMemory memory_now() const;
 
   bool own_or_taken_grads(bool use_taken, OwnGrads& own);
   bool own_grads(OwnGrads& own) const;
 
+  // One op call over the held lists, or (`at`: their indices) over some of them.
   void pnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
                    const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
-                   const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1,
+                   const std::vector<at::Tensor>& s, const std::vector<int64_t>* at,
+                   bool emulate, double lr, double beta1,
                    double beta0, double weight_decay, bool decoupled, bool maximize,
                    const std::optional<at::Tensor>& lr_tensor,
                    const std::optional<at::Tensor>& grad_scale,
@@ -125,7 +143,8 @@ struct StepLists : torch::CustomClassHolder {
   void adapnm_step_on(const std::vector<at::Tensor>& p, const std::vector<at::Tensor>& g,
                       const std::vector<at::Tensor>& m, const std::vector<at::Tensor>& m_other,
                       const std::vector<at::Tensor>& v, const std::vector<at::Tensor>& v_max,
-                      const std::vector<at::Tensor>& s, bool emulate, double lr, double beta1,
+                      const std::vector<at::Tensor>& s, const std::vector<int64_t>* at,
+                      bool emulate, double lr, double beta1,
                       double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
                       bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
                       const std::optional<at::Tensor>& grad_scale,
@@ -169,7 +188,7 @@ struct StateLists : torch::CustomClassHolder {
 // counters, seeds, int8 scales), held with their layouts as when the batch was built and
 // checked (the optimizer made each to fit its parameter). Python can give any of them new
 // data (t.data = ...) without the cache knowing; unchanged() says whether each still has its
-// dtype, device, shape and strides, so that the cached lists may be stepped again. Its
+// dtype, device, shape, strides and memory, so that the cached lists may be stepped again. Its
 // kernels check their arguments too, but a step can be two calls (int8 and the short rows'
 // bfloat16) or several batches, and none may start unless all can; Triton's check nothing.
 struct HeldLayouts : torch::CustomClassHolder {
@@ -181,6 +200,7 @@ struct HeldLayouts : torch::CustomClassHolder {
     at::ScalarType dtype;
     c10::Device device;
     std::vector<int64_t> sizes, strides;
+    Memory memory;  // as StepLists::memory_unchanged
   };
   std::vector<at::Tensor> tensors_;
   std::vector<Layout> layouts_;

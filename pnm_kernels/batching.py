@@ -8,16 +8,18 @@ from typing import Optional
 
 import torch
 
+from ._ops import extension_error
+from .aliasing import GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError
 from .backends import BACKENDS
-from .backends.base import Batch, HeldLists, held_lists_ok, hold_layouts, own_state
+from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
+                            memory_unchanged, own_state)
 from .backends.layout import dense_like
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .quantization import scale_name
-from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, SharedStateError,
-                    StateValueError, StateWatch, check_state, check_unshared, count_replacement,
-                    ensure_state)
+from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateValueError,
+                    StateWatch, check_state, claim_state, count_replacement, ensure_state)
 
 _MAX_ENTRIES = 64
 
@@ -54,11 +56,13 @@ class BatchCache:
                 grads = list(map(shard_of if item.layout_ok else local, grads))
             else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)
                 cached = None
-        if (cached is not None and (item.origin is None or own_state(cached))
-                and not held_lists_ok(cached)):
+        if cached is not None and not (held_lists_ok(cached)
+                                       if item.origin is None or own_state(cached)
+                                       else memory_unchanged(cached)):
             # A parameter, buffer or counter was given new data (t.data = ...) of another
-            # dtype, shape or layout: rebuild, its state following it. (On the deferred path
-            # the kernel's own checks find this before touching anything.)
+            # dtype, shape or layout, or in other memory: rebuild, its state following it,
+            # its memory checked. (On the deferred path the kernel's own checks find the
+            # rest before touching anything.)
             self.drop()
             cached = None
         if cached is not None:
@@ -86,6 +90,8 @@ class BatchCache:
             if len(self._entries) > _MAX_ENTRIES:
                 self._entries.clear()
             batch.held = HeldLists(shards=shards)
+            if extension_error() is not None:
+                batch.held.memory = held_memory(batch)
             if steps_in_float32(group["state_dtype"], group["bf16_stochastic_round"],
                                 params[0].dtype):  # its kernels take seeds and scales too
                 batch.held.own_state = True
@@ -130,15 +136,25 @@ class BatchCache:
             count_replacement()
         return state
 
-    def check_states(self, optimizer, group, params, names, seen: dict) -> None:
+    def check_states(self, optimizer, group, params, names, claims: MemoryClaims) -> None:
         """Raises, naming the parameter, where building a batch of these parameters of the
-        group would raise on one's state, or its state shares a tensor with another
-        parameter's (`seen`: see check_unshared), before any state is converted (plan.run
-        asks it of every batch to build, traced.init_group of every group)."""
+        group would raise on one's state, or a tensor of its state is that of another key or
+        parameter; adds the parameters, their gradients and state to `claims`, whose check
+        (check_memory) then refuses memory shared between them. Before any state is converted
+        (plan.run asks it of every batch to build, traced.init_group of every group)."""
         for p in params:
             with _explained(optimizer, group, p):
                 check_state(optimizer.state, p, names)
-                check_unshared(optimizer.state, p, seen, names)
+                claims.add(p, p, PARAMETER)
+                claims.add(p.grad, p, GRADIENT)
+                claim_state(optimizer.state, p, claims, names)
+
+    def check_memory(self, optimizer, claims: MemoryClaims) -> None:
+        """Raises, naming both, where two tensors of `claims` share memory."""
+        try:
+            claims.check()
+        except SharedMemoryError as e:
+            raise RuntimeError(_shared_memory_message(optimizer, *e.args)) from None
 
 
 @contextlib.contextmanager
@@ -167,14 +183,32 @@ def _explained(optimizer, group, p):
             f"{_describe(optimizer, group, p)}: its state {key!r} {problem}: set by hand or "
             "loaded so? Restart its state with `del optimizer.state[param]`, or load a "
             "state_dict of this optimizer") from None
-    except SharedStateError as e:
-        key, other, other_key = e.args
-        owner = "its own" if other is p else f"{_describe_anywhere(optimizer, other)}'s"
-        raise RuntimeError(
-            f"{_describe(optimizer, group, p)}: its state {key!r} is the very tensor of "
-            f"{owner} state {other_key!r}: each parameter needs state of its own, a tensor a "
-            "key (give it a copy: `.clone()`, or `del optimizer.state[param]` to restart "
-            "it)") from None
+
+
+def _shared_memory_message(optimizer, first, second, same_tensor) -> str:
+    """What SharedMemoryError's owners (parameter, key) say, a state's key named first: it
+    is what to mend."""
+    if first[1] in (PARAMETER, GRADIENT) and second[1] not in (PARAMETER, GRADIENT):
+        first, second = second, first
+    (p, key), (other, other_key) = first, second
+    subject = _describe_anywhere(optimizer, p) + {
+        PARAMETER: "", GRADIENT: ": its gradient"}.get(key, f": its state {key!r}")
+    whose = "its" if other is p else f"{_describe_anywhere(optimizer, other)}'s"
+    if other_key == PARAMETER:
+        what = "the parameter itself" if other is p else _describe_anywhere(optimizer, other)
+    elif other_key == GRADIENT:
+        what = f"{whose} gradient"
+    else:
+        what = f"{'its own' if other is p else whose} state {other_key!r}"
+    if key in (PARAMETER, GRADIENT):
+        advice = ("a step writes each parameter in place: give every parameter and gradient "
+                  "memory of its own")
+    else:
+        advice = ("each parameter needs state of its own, in memory of its own, a tensor a "
+                  "key (give it a copy: `.clone()`, or `del optimizer.state[param]` to "
+                  "restart it)")
+    verb = "is the very tensor of" if same_tensor else "shares memory with"
+    return f"{subject} {verb} {what}: {advice}"
 
 
 def _key(group, backend, names, ids) -> tuple:

@@ -8,6 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
+from .aliasing import MemoryClaims
 from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
@@ -231,10 +232,11 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         check_capturable(item.backend, item.params[0].device)
     item_names = [planner.buffer_names(names, item.group) for item in plan]
     reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
-    seen: dict = {}  # the state tensors met: one shared between parameters is refused
+    claims = MemoryClaims()  # the tensors met: memory shared between them is refused
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
-            cache.check_states(optimizer, item.group, item.params, n, seen)
+            cache.check_states(optimizer, item.group, item.params, n, claims)
+    cache.check_memory(optimizer, claims)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
     on_device = {}

@@ -179,11 +179,6 @@ class StateValueError(RuntimeError):
     """A value of a parameter's state that no step can use (args: its key, what is wrong)."""
 
 
-class SharedStateError(RuntimeError):
-    """A tensor of a parameter's state that another parameter's state holds too (args: its
-    key, the other parameter, the other's key)."""
-
-
 _CODE_DTYPES = (torch.int8, torch.uint8)
 
 
@@ -232,22 +227,16 @@ def keys_read(names) -> tuple:
     return ("step", "seed", *names, *(quantization.scale_name(n) for n in names))
 
 
-def check_unshared(state: dict, p, seen: dict, names) -> None:
-    """Raises SharedStateError where a tensor of p's state that the step reads (a buffer of
-    `names`, its scales, the counter or seed) is one that another parameter's state in
-    `seen`, or another key of p's own, holds too (an entry or a tensor put under two
-    parameters or keys by hand, e.g. both momenta reset with one zero tensor): each backend
-    would step it another way. A user's own keys may hold anything. `seen`: the tensors met
-    so far, by id, with (parameter, key); a step passes one for all it builds."""
+def claim_state(state: dict, p, claims, names) -> None:
+    """Adds the tensors of p's state that the step reads (a buffer of `names`, its scales,
+    the counter, the seed) to `claims` (aliasing.MemoryClaims), each owned by p and its key: one
+    that another parameter's state or another key holds too, or that shares memory with
+    either, is refused there. A user's own keys may hold anything."""
     entry = state.get(p)
     if not entry:
         return
     for key in keys_read(names):
-        value = entry.get(key)
-        if isinstance(value, torch.Tensor):
-            other, other_key = seen.setdefault(id(value), (p, key))
-            if other is not p or other_key != key:
-                raise SharedStateError(key, other, other_key)
+        claims.add(entry.get(key), p, key)
 
 
 def _check_buffer(entry: dict, name: str, p) -> None:

@@ -7,6 +7,7 @@ the state dict's keys: a gradient was guarded by identity, and every step with n
 recompiled.)"""
 import torch
 
+from .aliasing import MemoryClaims
 from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import ParameterPlaces, writeback
@@ -64,13 +65,14 @@ def _check_every_group(optimizer) -> None:
     for gi, group in enumerate(groups):
         check_param_list(group, gi)
     check_unique(groups)
-    seen: dict = {}
+    claims = MemoryClaims()
     for gi, group in enumerate(groups):
         validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
         num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
         optimizer._batches.check_states(optimizer, group,
                                         [p for p in group["params"] if p.grad is not None],
-                                        optimizer._buffer_names[:num_buffers], seen)
+                                        optimizer._buffer_names[:num_buffers], claims)
+    optimizer._batches.check_memory(optimizer, claims)
 
 
 def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,

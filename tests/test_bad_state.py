@@ -8,7 +8,7 @@ import torch
 
 import cases
 from cases import FAST_PATHS
-from conftest import DEVICE, OPTIMIZERS, make_params, train
+from conftest import DEVICE, OPTIMIZERS, assert_same_bits, make_params, train
 
 
 def _assert_step_refused_untouched(opt, params, match):
@@ -136,3 +136,97 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
                                    r"params'\]\[0\].* state " + culprit.format(m=momentum))
     for key, value in other_state.items():
         assert torch.equal(opt.state[params[1]][key], value), key
+
+
+# State made, by hand, a view of memory the step writes elsewhere: (which parameter's state,
+# which key, the view) beside a float32 params[0], float32 params[1] and bfloat16 params[2]
+# (its float32 state kept apart: §7), and what the refusal says.
+SHARED_MEMORY = {
+    "a view of its other momentum": (
+        lambda opt, ps, a, b: (1, b, opt.state[ps[1]][a][:]),
+        r"params'\]\[1\].* state '{b}' shares memory with its own state '{a}'"),
+    "a slice of another parameter's buffer": (
+        lambda opt, ps, a, b: (1, a, opt.state[ps[0]][a][2:8].view(3, 2)),
+        r"params'\]\[1\].* state '{a}' shares memory with param_groups\[0\]\['params'\]\[0\] "
+        r"\(.*\)'s state '{a}'"),
+    "its parameter's data": (
+        lambda opt, ps, a, b: (1, a, ps[1].data),
+        r"params'\]\[1\].* state '{a}' shares memory with the parameter itself"),
+    "another parameter's data": (
+        lambda opt, ps, a, b: (1, a, ps[0].data[:6].view(3, 2)),
+        r"params'\]\[1\].* state '{a}' shares memory with param_groups\[0\]\['params'\]\[0\] "
+        r"\(shape \(8,\), torch.float32, \S+\):"),
+    "a view of its other momentum, bf16 parameter": (
+        lambda opt, ps, a, b: (2, b, opt.state[ps[2]][a][:]),
+        r"params'\]\[2\].* state '{b}' shares memory with its own state '{a}'"),
+}
+
+
+@pytest.mark.parametrize("batches", ["one", "two"])
+@pytest.mark.parametrize("how", ["put", "data"])
+@pytest.mark.parametrize("edit", list(SHARED_MEMORY))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_state_sharing_memory_with_what_the_step_writes_is_refused_before_any_change(
+        path, name, edit, how, batches):
+    """Each backend steps aliased memory another way (the reference a tensor after another,
+    the kernels all at once): a state tensor that is a view of another's memory, or of a
+    parameter's, is refused naming both, before any batch has stepped. Put under the key,
+    or given as the key's tensor's new data (`.data = view`: no change the state counts, but
+    the held lists see the memory moved; one batch, whose kernel makes the other checks,
+    and two, whose lists are confirmed before either steps)."""
+    if batches == "one" and "bf16" in edit:
+        pytest.skip("the bfloat16 parameter is the second batch")
+    params = make_params([(8,), (3, 2)])
+    if batches == "two":
+        params += make_params([(4,)], dtype=torch.bfloat16)
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.float32)
+    train(opt, params, 3)
+    a, b = ("exp_avg", "neg_exp_avg") if name == "AdaPNM" else ("pos_momentum", "neg_momentum")
+    share, match = SHARED_MEMORY[edit]
+    i, key, view = share(opt, params, a, b)
+    if how == "put":
+        opt.state[params[i]][key] = view
+    else:
+        opt.state[params[i]][key].data = view
+    _assert_step_refused_untouched(opt, params, match.format(a=a, b=b))
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_gradient_in_its_parameters_memory_is_refused_before_any_change(path, name):
+    """Checked where the step's lists are built (its first step, or the first after an edit
+    of the state): a gradient is then no longer read after the parameter was written."""
+    params = make_params([(8,), (3, 2)])
+    opt = OPTIMIZERS[name](params, backend=path)
+    params[0].grad = torch.ones_like(params[0])
+    params[1].grad = params[1].data
+    with pytest.raises(RuntimeError, match=r"params'\]\[1\].*: its gradient shares memory "
+                                           "with the parameter itself"):
+        opt.step()
+    assert not opt.state or all(int(opt.state[p]["step"]) == 0 for p in opt.state)
+
+
+def _interleaved_training(path, name, shared_storage):
+    """Two parameters that are interleaved columns of one tensor, and state moved after the
+    first step into slices of one flat tensor (or each its own copy)."""
+    base = torch.randn(8, 12, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+    if shared_storage:
+        params = [torch.nn.Parameter(base[:, ::2]), torch.nn.Parameter(base[:, 1::2])]
+    else:
+        params = [torch.nn.Parameter(base[:, ::2].clone()), torch.nn.Parameter(base[:, 1::2].clone())]
+    opt = OPTIMIZERS[name](params, backend=path, lr=1e-2, weight_decay=0.1)
+    train(opt, params, 1)
+    if shared_storage:
+        keys = [(p, k) for p in params for k, v in opt.state[p].items() if v.dim() > 0]
+        flat = torch.cat([opt.state[p][k].flatten() for p, k in keys])
+        for i, (p, k) in enumerate(keys):
+            opt.state[p][k] = flat[i * 48:(i + 1) * 48].view(8, 6)
+    train(opt, params, 4, start=1)
+    return opt, params
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_storage_shared_without_shared_memory_steps_as_separate_tensors_do(path, name):
+    """Not refused: parameters interleaved in one tensor's storage, state in slices of one
+    flat tensor. Bitwise what separate tensors give."""
+    assert_same_bits(*_interleaved_training(path, name, True),
+                     *_interleaved_training(path, name, False))

@@ -104,6 +104,10 @@ def _one_tensor_under_two_keys(state, first, second):
     state[second] = state[first]
 
 
+def _a_view_of_its_other_momentum(state, first, second):
+    state[second] = state[first][:]
+
+
 def _a_buffer_that_is_no_tensor(state, first, second):
     state[second] = "zeros"
 
@@ -111,7 +115,8 @@ def _a_buffer_that_is_no_tensor(state, first, second):
 @pytest.mark.parametrize("edit, match", [
     (_counter_of_three_elements, "'step' has 3 elements"),
     (_one_tensor_under_two_keys, "is the very tensor of its own state"),
-    (_a_buffer_that_is_no_tensor, "is a str, not a tensor")], ids=["counter", "shared", "str"])
+    (_a_view_of_its_other_momentum, "shares memory with its own state"),
+    (_a_buffer_that_is_no_tensor, "is a str, not a tensor")], ids=["counter", "shared", "view", "str"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_a_compiled_step_refuses_bad_state_naming_it_before_any_state_converts(name, edit,
                                                                               match):

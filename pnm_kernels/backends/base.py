@@ -38,6 +38,7 @@ class HeldLists:
     own_state: bool = False
     layouts: Any = None
     state_lists: dict = field(default_factory=dict)
+    memory: Optional[list] = None  # held_memory, without the extension (else in StepLists)
 
 
 @dataclass
@@ -171,12 +172,28 @@ def held_lists_ok(batch: Batch) -> bool:
     lists = step_lists(batch)
     if lists is not None:
         return lists.held_lists_ok()
-    # Without the extension (a Triton-only install), the same check in Python.
+    # Without the extension (a Triton-only install), the same checks in Python.
     if not batch.params:
         return True
     device = batch.params[0].device
     return (all(fits(b, p) for buffers in batch.buffers for p, b in zip(batch.params, buffers))
-            and all(counter_fits(s, device) for s in batch.steps))
+            and all(counter_fits(s, device) for s in batch.steps)
+            and batch.held.memory == held_memory(batch))  # type: ignore[union-attr]
+
+
+def memory_unchanged(batch: Batch) -> bool:
+    """Whether a cached float batch's tensors still point at the memory they did when its
+    lists were made (StepLists.memory_unchanged), for a step whose other checks the fused
+    kernel makes (the deferred path: plan.PlanItem.origin)."""
+    lists = step_lists(batch)
+    return lists is None or lists.memory_unchanged()
+
+
+def held_memory(batch: Batch) -> list:
+    """Where each of a batch's parameters, buffers and counters is (StepLists.memory_unchanged
+    in csrc/step_lists.h says why), for held_lists_ok without the extension."""
+    return [t.data_ptr() for t in (*batch.params, *(b for bs in batch.buffers for b in bs),
+                                   *batch.steps)]
 
 
 def own_state(batch: Batch) -> bool:
@@ -203,7 +220,7 @@ def layouts_unchanged(layouts) -> bool:
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return t.dtype, t.device, t.layout, t.shape, t.stride()
+    return t.dtype, t.device, t.layout, t.shape, t.stride(), t.data_ptr()
 
 
 def int8_parts(batch: Batch) -> tuple:
