@@ -73,14 +73,10 @@ void check_int8_call(const StepCall& call, const char* const* names) {
 }
 
 // The expectation of the op call running on this thread, if it comes from held lists.
-struct Expectation {
-  const HeldMemory* memory;
-  const std::vector<int64_t>* at;
-};
-thread_local const Expectation* expected_memory = nullptr;
+thread_local const ExpectMemory* expected_memory = nullptr;
 
 // Refuses tensor i of list `block` (HeldMemory's) given other memory than the held lists'.
-void check_memory(const Expectation& e, int block, size_t i, const at::Tensor& t,
+void check_memory(const ExpectMemory& e, int block, size_t i, const at::Tensor& t,
                   const char* name) {
   const std::vector<Memory>& held = (*e.memory)[block];
   const size_t h = e.at == nullptr ? i : static_cast<size_t>((*e.at)[i]);
@@ -106,7 +102,7 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
               "pnm_kernels: invalid weight_decay ", h.weight_decay);
   if (n == 0) return;
   // Held lists hold only the float ops' lists (the state ops' are confirmed by HeldLayouts).
-  const Expectation* expected = call.own_state_dtype ? nullptr : expected_memory;
+  const ExpectMemory* expected = call.own_state_dtype ? nullptr : expected_memory;
 
   const at::Tensor& first = call.lists[0][0];
   const c10::Device device = first.device();
@@ -215,13 +211,12 @@ StepCall common_call(at::TensorList params, at::TensorList grads, at::TensorList
 
 }  // namespace
 
-ExpectMemory::ExpectMemory(const HeldMemory& memory, const std::vector<int64_t>* at) {
-  static thread_local Expectation expectation;
-  expectation = {&memory, at};
-  expected_memory = &expectation;
+ExpectMemory::ExpectMemory(const HeldMemory& memory, const std::vector<int64_t>* at)
+    : memory(&memory), at(at), previous_(expected_memory) {
+  expected_memory = this;
 }
 
-ExpectMemory::~ExpectMemory() { expected_memory = nullptr; }
+ExpectMemory::~ExpectMemory() { expected_memory = previous_; }
 
 StepCall make_pnm_call(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
                        at::TensorList neg_momentums, at::TensorList steps, double lr,

@@ -72,9 +72,15 @@ using HeldMemory = std::array<std::vector<Memory>, 6>;
 class ExpectMemory {
  public:
   ExpectMemory(const HeldMemory& memory, const std::vector<int64_t>* at);
-  ~ExpectMemory();
+  ~ExpectMemory();  // restores the expectation before it (a call made inside this one)
   ExpectMemory(const ExpectMemory&) = delete;
   ExpectMemory& operator=(const ExpectMemory&) = delete;
+
+  const HeldMemory* memory;
+  const std::vector<int64_t>* at;
+
+ private:
+  const ExpectMemory* previous_;
 };
 
 // Builds and validates a call; throws (c10::Error) naming the argument and tensor index.
