@@ -13,9 +13,11 @@ from .params import local
 PARAMETER = "parameter"
 GRADIENT = "gradient"
 
-# Above this many bytes a tensor, two strided tensors whose spans interleave are taken as
-# sharing memory rather than compared byte by byte (the comparison takes 8 bytes a byte).
-_EXACT_BYTES = 1 << 26
+# Two strided tensors whose spans meet are compared run by run (a run: elements contiguous
+# in memory); past this many runs in either (elements interleaved with another tensor's, in
+# a tensor this large) they are taken as apart rather than compared: a false refusal would
+# stop a training run, and such layouts are made on purpose.
+_MAX_RUNS = 1 << 22
 
 
 class SharedMemoryError(RuntimeError):
@@ -93,14 +95,38 @@ _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
-    """Whether two tensors with gaps (strided views) whose spans meet cover a byte in common."""
-    if max(a.numel() * a.element_size(), b.numel() * b.element_size()) > _EXACT_BYTES:
-        return True
-    return bool(torch.isin(_bytes_of(a), _bytes_of(b)).any())
+    """Whether two tensors with gaps (strided views: the column blocks of a fused weight,
+    say) whose spans meet cover a byte in common, from their contiguous runs: a binary search
+    of b's runs among a's, O(runs log runs)."""
+    a_runs, b_runs = _runs(a), _runs(b)
+    if a_runs is None or b_runs is None:
+        return False
+    (a_starts, a_ends), (b_starts, b_ends) = a_runs, b_runs
+    before = torch.searchsorted(a_starts, b_starts, right=True) - 1  # a's run at or before
+    hit = (before >= 0) & (a_ends[before.clamp(min=0)] > b_starts)
+    after = before + 1  # a's next run
+    hit |= (after < len(a_starts)) & (a_starts[after.clamp(max=len(a_starts) - 1)] < b_ends)
+    return bool(hit.any())
 
 
-def _bytes_of(t: torch.Tensor) -> torch.Tensor:
-    extent = 1 + sum((n - 1) * s for n, s in zip(t.shape, t.stride()))
-    offsets = torch.arange(extent, dtype=torch.int64).as_strided(t.shape, t.stride()).flatten()
-    first = offsets * t.element_size() + t.data_ptr()
-    return (first[:, None] + torch.arange(t.element_size())).flatten()
+def _runs(t: torch.Tensor):
+    """The byte intervals [start, end) of t's contiguous runs, sorted; None past _MAX_RUNS."""
+    run = 1  # elements a run: the innermost dimensions that are contiguous together
+    outer: list[tuple[int, int]] = []  # the other dimensions: (size, stride)
+    for size, stride in sorted(zip(t.shape, t.stride()), key=lambda d: d[1]):
+        if size == 1:
+            continue
+        if not outer and stride == run:
+            run *= size
+        else:
+            outer.append((size, stride))
+    count = 1
+    for size, _ in outer:
+        count *= size
+    if count > _MAX_RUNS:
+        return None
+    starts = torch.zeros((), dtype=torch.int64)
+    for size, stride in outer:
+        starts = starts.unsqueeze(-1) + torch.arange(size, dtype=torch.int64) * stride
+    starts = starts.flatten().sort().values * t.element_size() + t.data_ptr()
+    return starts, starts + run * t.element_size()

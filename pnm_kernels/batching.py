@@ -31,6 +31,7 @@ class BatchCache:
     def __init__(self) -> None:
         self.watch = StateWatch()
         self._entries: dict = {}
+        self.drops = 0  # how many times every cached list was forgotten
 
     def version(self, optimizer):
         return self.watch.version(optimizer)
@@ -39,6 +40,7 @@ class BatchCache:
         """Forgets every cached list, letting go of the tensors they hold."""
         self.watch.drop()
         self._entries.clear()
+        self.drops += 1
 
     def lookup(self, optimizer, group, backend, names, ids) -> Optional[Batch]:
         """The cached lists of a batch (gradients left out), if still valid."""

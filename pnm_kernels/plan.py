@@ -231,7 +231,13 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     for item in plan:
         check_capturable(item.backend, item.params[0].device)
     item_names = [planner.buffer_names(names, item.group) for item in plan]
+    drops = cache.drops
     reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
+    if cache.drops != drops:
+        # A batch given new data or memory dropped the cache: every batch is built again, so
+        # that its memory is checked against all the others' (one reused before the drop
+        # would not be).
+        reused = [None] * len(plan)
     claims = MemoryClaims()  # the tensors met: memory shared between them is refused
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted

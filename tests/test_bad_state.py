@@ -205,14 +205,18 @@ def test_a_gradient_in_its_parameters_memory_is_refused_before_any_change(path, 
     assert not opt.state or all(int(opt.state[p]["step"]) == 0 for p in opt.state)
 
 
-def _interleaved_training(path, name, shared_storage):
-    """Two parameters that are interleaved columns of one tensor, and state moved after the
-    first step into slices of one flat tensor (or each its own copy)."""
+# Two parameters that are columns of one tensor: every other one, or a block each (a fused
+# q/k weight split).
+COLUMNS = {"interleaved": (slice(None, None, 2), slice(1, None, 2)),
+           "blocks": (slice(None, 6), slice(6, None))}
+
+
+def _interleaved_training(path, name, shared_storage, columns):
+    """Two parameters that are columns of one tensor, and state moved after the first step
+    into slices of one flat tensor (or each its own copy)."""
     base = torch.randn(8, 12, generator=torch.Generator().manual_seed(0)).to(DEVICE)
-    if shared_storage:
-        params = [torch.nn.Parameter(base[:, ::2]), torch.nn.Parameter(base[:, 1::2])]
-    else:
-        params = [torch.nn.Parameter(base[:, ::2].clone()), torch.nn.Parameter(base[:, 1::2].clone())]
+    views = [base[:, cols] for cols in COLUMNS[columns]]
+    params = [torch.nn.Parameter(v if shared_storage else v.clone()) for v in views]
     opt = OPTIMIZERS[name](params, backend=path, lr=1e-2, weight_decay=0.1)
     train(opt, params, 1)
     if shared_storage:
@@ -225,8 +229,30 @@ def _interleaved_training(path, name, shared_storage):
 
 
 @cases.parametrize(FAST_PATHS + ["reference"])
-def test_storage_shared_without_shared_memory_steps_as_separate_tensors_do(path, name):
-    """Not refused: parameters interleaved in one tensor's storage, state in slices of one
-    flat tensor. Bitwise what separate tensors give."""
-    assert_same_bits(*_interleaved_training(path, name, True),
-                     *_interleaved_training(path, name, False))
+@pytest.mark.parametrize("columns", list(COLUMNS))
+def test_storage_shared_without_shared_memory_steps_as_separate_tensors_do(path, name,
+                                                                          columns):
+    """Not refused: parameters that are columns of one tensor, state in slices of one flat
+    tensor. Bitwise what separate tensors give."""
+    assert_same_bits(*_interleaved_training(path, name, True, columns),
+                     *_interleaved_training(path, name, False, columns))
+
+
+@pytest.mark.parametrize("edit", ["buffer", "parameter"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_memory_shared_across_batches_by_new_data_is_refused_before_any_change(path, name,
+                                                                              edit):
+    """The second group's buffer, or parameter, given the first group's memory (`.data =`):
+    the first group's batch, confirmed before the edit was seen, is built and checked again
+    with the second's."""
+    params = make_params([(8,), (8,)])
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], backend=path)
+    train(opt, params, 3)
+    key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    if edit == "buffer":
+        opt.state[params[1]][key].data = opt.state[params[0]][key]
+        match = rf"params'\]\[0\].* state '{key}' shares memory with param_groups\[0\]"
+    else:
+        params[1].data = params[0].data
+        match = r"param_groups\[1\]\['params'\]\[0\].* shares memory with param_groups\[0\]"
+    _assert_step_refused_untouched(opt, params, match)
