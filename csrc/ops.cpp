@@ -196,7 +196,6 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("drop_taken_grads", &pnm::StepLists::drop_taken_grads)
       .def("hold_outside", &pnm::StepLists::hold_outside)
       .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
-      .def("memory_unchanged", &pnm::StepLists::memory_unchanged)
       .def("bump_versions", &pnm::StepLists::bump_versions);
   m.class_<pnm::StateLists>("StateLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

@@ -89,9 +89,9 @@ struct StepLists : torch::CustomClassHolder {
   // `t.data = other` of the same dtype and shape fits as before, but may make a buffer share
   // memory with another (or with a parameter), which each backend would step another way;
   // the optimizer checked the memory when it built the batch (pnm_kernels/aliasing.py) and
-  // builds it again, checking, when this says no. Asked by held_lists_ok and the careful
-  // path; a step from the held lists has check_call compare each tensor's memory in the pass
-  // it makes over them anyway (ExpectMemory), and refuse.
+  // builds it again, checking, when this says no. Asked by held_lists_ok; a step from the
+  // held lists has check_call compare each tensor's memory in the pass it makes over them
+  // anyway (ExpectMemory), and refuse.
   bool memory_unchanged() const;
 
   // For the Triton step, which writes through raw pointers: the version counters of the

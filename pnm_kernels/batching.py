@@ -12,7 +12,7 @@ from ._ops import extension_error
 from .aliasing import GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
-                            memory_unchanged, own_state)
+                            own_state)
 from .backends.layout import dense_like
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
@@ -58,13 +58,12 @@ class BatchCache:
                 grads = list(map(shard_of if item.layout_ok else local, grads))
             else:  # FSDP2 gave a parameter a new shard (after model.to(...), say)
                 cached = None
-        if cached is not None and not (held_lists_ok(cached)
-                                       if item.origin is None or own_state(cached)
-                                       else memory_unchanged(cached)):
+        if (cached is not None and (item.origin is None or own_state(cached))
+                and not held_lists_ok(cached)):
             # A parameter, buffer or counter was given new data (t.data = ...) of another
             # dtype, shape or layout, or in other memory: rebuild, its state following it,
-            # its memory checked. (On the deferred path the kernel's own checks find the
-            # rest before touching anything.)
+            # its memory checked. (On the deferred path the kernel's own checks find this,
+            # held memory included, before touching anything.)
             self.drop()
             cached = None
         if cached is not None:

@@ -181,14 +181,6 @@ def held_lists_ok(batch: Batch) -> bool:
             and batch.held.memory == held_memory(batch))  # type: ignore[union-attr]
 
 
-def memory_unchanged(batch: Batch) -> bool:
-    """Whether a cached float batch's tensors still point at the memory they did when its
-    lists were made (StepLists.memory_unchanged), for a step whose other checks the fused
-    kernel makes (the deferred path: plan.PlanItem.origin)."""
-    lists = step_lists(batch)
-    return lists is None or lists.memory_unchanged()
-
-
 def held_memory(batch: Batch) -> list:
     """Where each of a batch's parameters, buffers and counters is (StepLists.memory_unchanged
     in csrc/step_lists.h says why), for held_lists_ok without the extension."""
