@@ -1,6 +1,8 @@
 """The memory a step writes is its own (docs/design.md §5): no tensor of a parameter's state
 that the step reads (a buffer, its int8 scales, the counter, the seed) may be, or share memory
-with, another such tensor, a parameter or a gradient of the step. Each backend would step
+with, another such tensor, a parameter or a gradient of the step; no parameter or state
+tensor may have elements that share memory (an expanded view). Gradients are only read: two
+of them may share memory, or one its own elements. Each backend would step
 aliased memory another way (the reference one tensor after another, the kernels all at once),
 so a state tensor put under two keys or parameters by hand, or made a view of another's
 memory, is refused before anything is touched. Checked where a step's lists are built (after
@@ -39,6 +41,7 @@ class MemoryClaims:
         self._tensors: list = []
         self._params: list = []
         self._keys: list = []
+        self._overlapping: list[int] = []  # claims whose own elements share memory
 
     def add(self, tensor, param, key) -> None:
         if not isinstance(tensor, torch.Tensor):
@@ -56,6 +59,8 @@ class MemoryClaims:
             start = t.data_ptr()
         except RuntimeError:  # a tensor without storage (a fake tensor, say): nothing to alias
             return
+        if not dense and key != GRADIENT and _overlaps_itself(t, extent):
+            self._overlapping.append(len(self._starts))
         self._starts.append(start)
         self._ends.append(start + extent * t.element_size())
         self._dense.append(dense)
@@ -65,7 +70,12 @@ class MemoryClaims:
 
     def check(self) -> None:
         """A sweep over the spans in address order: O(n log n), and disjoint memory keeps one
-        span open. (Addresses are unique across devices, but compared only on one.)"""
+        span open. (Addresses are unique across devices, but compared only on one.) A tensor
+        whose own elements share memory is refused first, as shared with itself."""
+        if self._overlapping:
+            i = self._overlapping[0]
+            owner = (self._params[i], self._keys[i])
+            raise SharedMemoryError(owner, owner, False)
         starts, ends = self._starts, self._ends
         open_spans: list[int] = []
         open_end = -1
@@ -83,6 +93,8 @@ class MemoryClaims:
         i, j = max(i, j), min(i, j)  # the later claim named first: the same in every run
         if self._params[i] is self._params[j] and self._keys[i] == self._keys[j]:
             return  # one tensor added twice for one owner
+        if self._keys[i] == GRADIENT and self._keys[j] == GRADIENT:
+            return  # only read
         a, b = self._tensors[i], self._tensors[j]
         a_local, b_local = local(a), local(b)
         if a_local.device == b_local.device and (
@@ -92,6 +104,23 @@ class MemoryClaims:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def _overlaps_itself(t: torch.Tensor, extent: int) -> bool:
+    """Whether two elements of t (not dense) share memory. Fewer places than elements must
+    (an expanded view); where each dimension, by stride, steps past all the smaller ones
+    none can (a slice, a column block); otherwise its runs are compared (past _MAX_RUNS, it
+    is taken as apart)."""
+    if extent < t.numel():
+        return True
+    span = 1  # elements the dimensions so far reach
+    for size, stride in sorted((d for d in zip(t.shape, t.stride()) if d[0] > 1),
+                               key=lambda d: d[1]):
+        if stride < span:
+            runs = _runs(t)
+            return runs is not None and bool((runs[0][1:] < runs[1][:-1]).any())
+        span += (size - 1) * stride
+    return False
 
 
 def _bytes_overlap(a: torch.Tensor, b: torch.Tensor) -> bool:

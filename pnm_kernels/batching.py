@@ -188,7 +188,13 @@ def _explained(optimizer, group, p):
 
 def _shared_memory_message(optimizer, first, second, same_tensor) -> str:
     """What SharedMemoryError's owners (parameter, key) say, a state's key named first: it
-    is what to mend."""
+    is what to mend; an owner named twice: a tensor whose own elements share memory."""
+    if first[0] is second[0] and first[1] == second[1]:
+        p, key = first
+        what = ("" if key == PARAMETER else f": its state {key!r}")
+        return (f"{_describe_anywhere(optimizer, p)}{what} has elements that share memory (an "
+                "expanded or overlapping view): a step writes each element in place, so give "
+                "it memory of its own (`.clone()`; a parameter: `p.data = p.data.clone()`)")
     if first[1] in (PARAMETER, GRADIENT) and second[1] not in (PARAMETER, GRADIENT):
         first, second = second, first
     (p, key), (other, other_key) = first, second

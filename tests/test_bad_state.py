@@ -256,3 +256,67 @@ def test_memory_shared_across_batches_by_new_data_is_refused_before_any_change(p
         params[1].data = params[0].data
         match = r"param_groups\[1\]\['params'\]\[0\].* shares memory with param_groups\[0\]"
     _assert_step_refused_untouched(opt, params, match)
+
+
+# Parameters whose own elements share memory: made so, or given such data after some steps.
+SELF_OVERLAPPING = {
+    "expanded": lambda: torch.zeros(1, device=DEVICE).expand(6),
+    "rows over one another": lambda: torch.zeros(120, device=DEVICE).as_strided((2, 5), (0, 20)),
+    "overlapping windows": lambda: torch.zeros(40, device=DEVICE).as_strided((4, 8), (4, 1)),
+}
+
+
+@pytest.mark.parametrize("when", ["first step", "after steps"])
+@pytest.mark.parametrize("data", list(SELF_OVERLAPPING))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_parameter_whose_elements_share_memory_is_refused_before_any_change(path, name,
+                                                                             data, when):
+    """A step writes each element in place: elements at one address would be written
+    twice, each backend in another order (torch's in-place ops refuse only some layouts,
+    after the others had stepped). Refused naming it, before any parameter (here the one
+    ahead of it) or state changes."""
+    overlapping = SELF_OVERLAPPING[data]()
+    params = make_params([(5,), tuple(overlapping.shape)])
+    opt = OPTIMIZERS[name](params, backend=path)
+    if when == "after steps":
+        train(opt, params, 3)
+    params[1].data = overlapping
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
+    _assert_step_refused_untouched(
+        opt, params, r"params'\]\[1\].* has elements that share memory \(an expanded")
+    for p, entry in before.items():
+        assert_same_bits_of(entry, opt.state[p])
+
+
+def assert_same_bits_of(entry, other):
+    assert entry.keys() == other.keys()
+    for key, value in entry.items():
+        assert torch.equal(value, other[key]), key
+
+
+GRADIENTS_SHARING_MEMORY = {
+    "one tensor": lambda grads: [grads[0], grads[0]],
+    "views of one scalar": lambda grads: [grads[0][:1].expand(6), grads[0][:1].expand(6)],
+}
+
+
+@pytest.mark.parametrize("when", ["first step", "after steps"])
+@pytest.mark.parametrize("share", list(GRADIENTS_SHARING_MEMORY))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_gradients_sharing_memory_step_as_separate_copies_do(path, name, share, when):
+    """Gradients are only read: two parameters given one gradient tensor, or views of one
+    element, step bitwise as with a copy each, on the first step and on repeated ones."""
+    def run(copies):
+        params = make_params([(6,), (6,)])
+        opt = OPTIMIZERS[name](params, backend=path)
+        if when == "after steps":
+            train(opt, params, 3)
+        for t in range(2):
+            shared = GRADIENTS_SHARING_MEMORY[share](
+                [torch.full((6,), 0.5 + t, device=DEVICE)])
+            for p, g in zip(params, shared):
+                p.grad = g.clone() if copies else g
+            opt.step()
+        return opt, params
+
+    assert_same_bits(*run(copies=False), *run(copies=True))
