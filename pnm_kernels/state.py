@@ -149,6 +149,14 @@ def is_plain(t) -> bool:
     return type(t) in (torch.Tensor, torch.nn.Parameter)
 
 
+def is_dtensor(t) -> bool:
+    """A DTensor (FSDP2): its state is sharded as it is. Not every tensor that is not plain
+    (a library's own Parameter subclass is not). Looked up, not imported (params.local says
+    why)."""
+    dtensor = sys.modules.get("torch.distributed.tensor")
+    return dtensor is not None and isinstance(t, dtensor.DTensor)
+
+
 def buffer_fits(buffer: torch.Tensor, p: torch.Tensor, dtype: Optional[torch.dtype] = None) -> bool:
     """Whether a state buffer still matches its parameter: dtype (the parameter's, or the
     state_dtype asked for), device, shape and the layout zeros_like gives it (which the
@@ -339,12 +347,12 @@ def _decoded(entry: dict, name: str, p) -> torch.Tensor:
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:
-    return t if is_plain(t) else t.to_local()  # type: ignore[attr-defined]
+    return t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def _like(p, local_values: torch.Tensor) -> torch.Tensor:
     """A tensor of p's kind (a DTensor sharded as p is) holding these local values."""
-    if is_plain(p):
+    if not is_dtensor(p):
         return local_values
     from torch.distributed.tensor import DTensor
     return DTensor.from_local(local_values, p.device_mesh, p.placements, shape=p.shape,
@@ -353,7 +361,7 @@ def _like(p, local_values: torch.Tensor) -> torch.Tensor:
 
 def _zero_scales(p) -> torch.Tensor:
     shape = quantization.scales_shape(p.shape)
-    if is_plain(p):
+    if not is_dtensor(p):
         return torch.zeros(shape, dtype=torch.float32, device=p.device)
     from torch.distributed.tensor import zeros
     return zeros(shape, dtype=torch.float32, device_mesh=p.device_mesh, placements=p.placements)
@@ -403,7 +411,7 @@ def _ensure_int8_buffers(entry: dict, p, names) -> bool:
 
 
 def _like_scales(p, local_scales: torch.Tensor) -> torch.Tensor:
-    if is_plain(p):
+    if not is_dtensor(p):
         return local_scales
     from torch.distributed.tensor import DTensor
     shape = torch.Size(quantization.scales_shape(p.shape))

@@ -2,11 +2,13 @@
 complex, transposed, channels_last, strided, 0-dim and empty parameters in one group,
 gradients laid out unlike their parameters, the meta device; and what backend "auto" picks
 for them."""
+import pytest
 import torch
 
 import cases
 from cases import FAST_PATHS, OVER_OPTIMIZERS
-from conftest import DEVICE, OPTIMIZERS, assert_states_close, train, with_reference
+from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_states_close, make_params,
+                      train, with_reference)
 from internals import resolve_auto_backend
 from pnm_kernels import available_backends
 
@@ -73,6 +75,24 @@ def test_gradients_laid_out_unlike_their_parameters_after_cached_steps(path, nam
         opt.step()
         ref.step()
     assert_states_close(opt, params, ref, ref_params)
+
+
+class _LibraryParameter(torch.nn.Parameter):
+    """A library's own Parameter subclass (a tag, say): neither plain nor a DTensor."""
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.int8])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_parameter_subclass_steps_as_a_plain_parameter(path, name, state_dtype):
+    """Bitwise, whatever the state's dtype: its int8 codes and scales are made as a plain
+    parameter's (not a DTensor's, sharded); rows of 128 hold a block, rows of 3 do not."""
+    def run(kind):
+        params = [kind(p.detach()) for p in make_params([(2, 128), (4, 3)])]
+        opt = OPTIMIZERS[name](params, backend=path, lr=1e-2, state_dtype=state_dtype)
+        train(opt, params, 3)
+        return opt, params
+
+    assert_same_bits(*run(_LibraryParameter), *run(torch.nn.Parameter))
 
 
 @OVER_OPTIMIZERS
