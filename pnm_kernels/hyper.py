@@ -77,10 +77,11 @@ def _value_signature(v):
     # A tensor by identity, version and memory (`lr.data = ...` bumps no version, and a Hyper
     # holds a detached lr that keeps the old memory); a list (betas given as one) by its
     # values: the list itself would equal itself after an edit in place, which then went
-    # unvalidated.
+    # unvalidated. Anything else with its type: `amsgrad = 1` where it was True is equal,
+    # yet refused where given first.
     if isinstance(v, torch.Tensor):
         return id(v), v._version, v.data_ptr()
-    return tuple(v) if type(v) is list else v
+    return (list, tuple(v)) if type(v) is list else (type(v), v)
 
 
 def signature(group: dict, keys: tuple) -> tuple:

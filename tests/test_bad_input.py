@@ -115,6 +115,11 @@ def test_a_hyper_parameter_edited_between_steps_is_validated_again(path, name):
     opt.param_groups[0]["weight_decay"] = -0.5
     with pytest.raises(ValueError, match=r"param_groups\[0\].*weight_decay"):
         opt.step()
+    opt.param_groups[0]["weight_decay"] = 0.0
+    # Equal to the flag it replaces (1 == True), yet no bool: refused as at construction.
+    opt.param_groups[0]["maximize"] = 0
+    with pytest.raises(ValueError, match=r"param_groups\[0\]: maximize must be a bool, got 0"):
+        opt.step()
 
 
 def _bad_grad_cases():
