@@ -156,6 +156,10 @@ class StepInBackward:
         if self._probing:
             self._record(p)
             return
+        if id(p) in self._since_step:
+            raise RuntimeError(_TWICE.format(
+                f"a second gradient was made for a parameter of shape {tuple(p.shape)} after "
+                "it had stepped inside backward, before the next step()"))
         this_pass = backward_pass()
         self._pending.append(p)
         self._pending_bytes += local(grad).numel() * grad.element_size()  # a shard's own
@@ -266,10 +270,9 @@ class StepInBackward:
             return True  # state initialisation): the probe is the next one
         for p, passes, grad, seen_bits in seen.values():
             if passes > 1:
-                raise RuntimeError(
-                    f"step_in_backward: {passes} backward passes reached a parameter of shape "
-                    f"{tuple(p.shape)} before this step: to accumulate gradients, run all "
-                    "micro-batches but the last inside `with handle.accumulating():`")
+                raise RuntimeError(_TWICE.format(
+                    f"{passes} backward passes reached a parameter of shape {tuple(p.shape)} "
+                    "before this step"))
             now = p.grad
             if (now is None or (grad is not None and now is not grad)
                     or not same(seen_bits, fingerprint(now))):
@@ -290,6 +293,15 @@ class StepInBackward:
         """optimizer.step() is done (or raised): DDP's gradients kept aside are back."""
         if self.reduced_steps is not None:
             self.reduced_steps.after_step()
+
+
+# A parameter whose gradient is made twice between steps would step twice, each time with a
+# part of its gradient.
+_TWICE = ("step_in_backward: {} (a parameter steps once, with its "
+          "whole gradient, as soon as it is made): to accumulate gradients over micro-batches, "
+          "run all but the last inside `with handle.accumulating():`; a parameter reached in "
+          "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
+          "from each nested backward pass: checkpoint with use_reentrant=False")
 
 
 def refuse_ddp(named_params, ddp_given: bool = False) -> None:

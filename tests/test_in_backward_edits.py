@@ -172,3 +172,38 @@ def test_params_set_by_hand_as_a_set_are_refused_naming_the_group_nothing_steppe
                                         "list of parameters"):
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+
+
+def _shared_layer_checkpointed(checkpoint_from):
+    """A layer applied twice (weights shared, ALBERT-style), each application under a
+    reentrant checkpoint from step `checkpoint_from` on: each nested backward pass makes a
+    gradient of the shared layer."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    shared, head = torch.nn.Linear(8, 8), torch.nn.Linear(8, 2)
+    opt = PNM([*shared.parameters(), *head.parameters()], lr=1e-2)
+    opt.step_in_backward()
+    gen = torch.Generator().manual_seed(1)
+    for t in range(3):
+        x = torch.randn(4, 8, generator=gen, requires_grad=True)
+        layer = lambda h: torch.tanh(shared(h))  # noqa: E731
+        if t >= checkpoint_from:
+            h = checkpoint(layer, checkpoint(layer, x, use_reentrant=True), use_reentrant=True)
+        else:
+            h = layer(layer(x))
+        opt.zero_grad()
+        head(h).pow(2).mean().backward()
+        opt.step()
+
+
+@pytest.mark.parametrize("checkpoint_from", [0, 1], ids=["in-the-probe", "after-the-probe"])
+def test_a_parameter_reached_by_two_reentrant_checkpoints_is_refused_not_stepped_twice(
+        checkpoint_from):
+    """Its hook runs in each nested backward pass: stepping at each would step it twice with
+    a part of its gradient each time. The probe refuses it before anything moved; after the
+    probe, its second gradient is refused at once, saying what to do (no silent second
+    step)."""
+    with pytest.raises(RuntimeError, match=r"reentrant checkpoint segments .* "
+                                           r"use_reentrant=False"):
+        _shared_layer_checkpointed(checkpoint_from)
