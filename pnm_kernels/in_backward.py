@@ -15,12 +15,14 @@ Under DDP a gradient is averaged over the ranks only after autograd's hooks: DDP
 step in its communication hook instead (in_backward_ddp.py), a bucket once its all-reduce is
 done, and keep their gradients, as with the ordinary step (DDP's buckets hold them anyway)."""
 import contextlib
+import warnings
 import weakref
 
 import torch
 
 from .in_backward_ddp import ReducedBuckets, ReducedSteps, backward_pass, managed_by
 from .fingerprints import fingerprint, same
+from .hyper import signature
 from .params import is_param_list, local
 
 
@@ -55,6 +57,9 @@ class StepInBackward:
         self._flush_queued = False
         self._pass = None  # the backward pass (graph task) whose end will flush the bucket
         self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its fingerprint)
+        # Each group's hyper-parameters when this step's first gradient was made, to find those
+        # changed between backward and step(), which the buckets stepped without.
+        self._hypers_at_backward: dict | None = None
         # zero_grad(set_to_none=False) keeps a zero gradient for every parameter that ever had
         # one, and the ordinary step steps it: the parameters ever stepped, and those since the
         # last step(), to step the others with zeros as it would.
@@ -185,6 +190,7 @@ class StepInBackward:
         returns them."""
         params = self.still_stepped(params)
         if params:
+            self._note_hypers()
             self._optimizer._step_only(params)
         for p in params:
             if free:
@@ -205,6 +211,7 @@ class StepInBackward:
     def record(self, p, grad, bits) -> None:
         """The probe's record of p's gradient: one more backward pass reached it, and at its
         end the gradient was `grad` (None: whichever p holds) of these bits (a fingerprint)."""
+        self._note_hypers()
         _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
         self._seen[id(p)] = (p, passes + 1, grad, bits)
 
@@ -229,6 +236,7 @@ class StepInBackward:
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
         self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
+        self._hypers_at_backward = None
         if self.reduced_steps is not None:
             self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
@@ -251,7 +259,12 @@ class StepInBackward:
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
         self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
+        changed = self._hyper_changed_since_backward()
         if not self._probing:
+            if changed is not None:  # stepped already: said, not refused mid-training
+                warnings.warn(_CHANGED.format(changed, "the buckets stepped inside backward "
+                                              "used the value before; the new one applies "
+                                              "from the next backward pass"), stacklevel=3)
             if self._zero_filled:  # what the ordinary step would step with a zero gradient
                 missing = self.still_stepped(p for key, p in self._ever.items()
                                               if key not in self._since_step and p.grad is None
@@ -262,12 +275,15 @@ class StepInBackward:
             self._since_step = set()
             if self.reduced_steps is not None:  # DDP's last bucket; what stepped kept aside
                 self.reduced_steps.before_step()
+            self._hypers_at_backward = None  # noted by the steps just above, not in backward
             return True  # steps only what still has a gradient (none, in the usual loop)
         if self.reduced_steps is not None:
             self.reduced_steps.probed()  # the sums of the gradients DDP reduced
         seen, self._seen = self._seen, {}  # a refused probe is retried afresh
         if not seen:  # no backward pass before this step (a step before training, DCP's
             return True  # state initialisation): the probe is the next one
+        if changed is not None:
+            raise RuntimeError(_CHANGED.format(changed, "nothing was stepped"))
         for p, passes, grad, seen_bits in seen.values():
             if passes > 1:
                 raise RuntimeError(_TWICE.format(
@@ -289,6 +305,28 @@ class StepInBackward:
         self._since_step = set()
         return True
 
+    def _note_hypers(self) -> None:
+        """The groups' hyper-parameters as this step's first gradient is made."""
+        if self._hypers_at_backward is None:
+            self._hypers_at_backward = {id(group): (group, _step_signature(self._optimizer, group))
+                                        for group in self._optimizer.param_groups}
+
+    def _hyper_changed_since_backward(self) -> str | None:
+        """Where a hyper-parameter was changed since this step's first gradient was made
+        (`param_groups[i]['key']`), or None."""
+        seen, self._hypers_at_backward = self._hypers_at_backward, None
+        if seen is None:
+            return None
+        for gi, group in enumerate(self._optimizer.param_groups):
+            before = seen.get(id(group))
+            if before is None or before[0] is not group:
+                continue  # a group added since: it had nothing stepped
+            now = _step_signature(self._optimizer, group)
+            for key, old, new in zip(_step_keys(self._optimizer), before[1], now):
+                if old != new:
+                    return f"param_groups[{gi}][{key!r}]"
+        return None
+
     def after_step(self) -> None:
         """optimizer.step() is done (or raised): DDP's gradients kept aside are back."""
         if self.reduced_steps is not None:
@@ -302,6 +340,22 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "run all but the last inside `with handle.accumulating():`; a parameter reached in "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
           "from each nested backward pass: checkpoint with use_reentrant=False")
+
+
+# A hyper-parameter set between backward and step(): the ordinary step would use it now.
+_CHANGED = ("step_in_backward: {} was changed between backward and step(): inside backward "
+            "each parameter steps as soon as its gradient is made, with the hyper-parameters "
+            "set then ({}). Change hyper-parameters before backward: step LR schedulers after "
+            "optimizer.step()")
+
+
+def _step_keys(optimizer) -> tuple:
+    """The group keys that change what a step computes (the backend only how)."""
+    return tuple(key for key in optimizer._keys if key != "backend")
+
+
+def _step_signature(optimizer, group: dict) -> tuple:
+    return signature(group, _step_keys(optimizer))
 
 
 def refuse_ddp(named_params, ddp_given: bool = False) -> None:

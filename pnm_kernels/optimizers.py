@@ -172,7 +172,8 @@ class _PositiveNegativeMomentum(Optimizer):
 
         The first step after this call is an ordinary one, which refuses what cannot be
         applied to gradients that are gone: GradScaler, gradients changed between backward
-        and step (clipping), several backward passes a step (accumulate inside
+        and step (clipping), hyper-parameters set between them (a scheduler stepped before
+        ``step()``), several backward passes a step (accumulate inside
         ``handle.accumulating()`` instead). Afterwards ``optimizer.step()`` and
         ``zero_grad()`` in the training loop are harmless (nothing is left to step).
         FSDP2's sharded parameters step once their gradients are reduce-scattered. Under

@@ -1,9 +1,10 @@
 """optimizer.step_in_backward() (docs/design.md §9) under what a training loop does between
 backward passes: zero-filled gradients kept for a layer the loss stops reaching, a backward
-pass that fails half way, a refused probe retried, groups added, a parameter taken out of its
-group or moved into another, a state_dict loaded, params set by hand as no list. Each gives
-the ordinary loop's parameters and state bitwise, or is refused naming the group before
-anything moved."""
+pass that fails half way, a refused probe retried, an lr set between backward and step,
+groups added, a parameter taken out of its group or moved into another, a state_dict
+loaded, params set by hand as no list. Each gives the ordinary loop's parameters and state
+bitwise, or is refused naming the group before anything moved (or, what only shows after
+the probe, said)."""
 import copy
 
 import pytest
@@ -207,3 +208,75 @@ def test_a_parameter_reached_by_two_reentrant_checkpoints_is_refused_not_stepped
     with pytest.raises(RuntimeError, match=r"reentrant checkpoint segments .* "
                                            r"use_reentrant=False"):
         _shared_layer_checkpointed(checkpoint_from)
+
+
+def _lr_set_between_backward_and_step(in_backward, set_at, lr_kind="float"):
+    """Five steps of PNM, small buckets; before the step `set_at` a new lr is set (a warmup
+    scheduler stepped before optimizer.step(), an old BERT recipe): between backward and
+    step() in backward (what is checked), before the next backward pass in the ordinary
+    loop (what stepping in backward can do)."""
+    model = _model()
+    lr = 1e-2 if lr_kind == "float" else torch.tensor(1e-2)
+    opt = PNM(model.parameters(), lr=lr, weight_decay=0.1)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)
+
+    def set_lr():
+        if lr_kind == "float":
+            opt.param_groups[0]["lr"] = 3e-2
+        else:
+            opt.param_groups[0]["lr"].fill_(3e-2)
+
+    for t, x in enumerate(_batches(5)):
+        opt.zero_grad()
+        model(x).pow(2).mean().backward()
+        if t == set_at and in_backward:
+            set_lr()
+        opt.step()
+        if t == set_at and not in_backward:
+            set_lr()
+    return model, opt
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor-filled"])
+def test_an_lr_set_between_backward_and_step_is_refused_by_the_probe_nothing_stepped(lr_kind):
+    """The ordinary step would step with it; the buckets inside backward could not: the
+    probe finds it before any parameter moved, naming the group's key."""
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] was changed between "
+                                           r"backward and step\(\).*nothing was stepped"):
+        _lr_set_between_backward_and_step(True, set_at=0, lr_kind=lr_kind)
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    model(_batches(1)[0]).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.param_groups[0]["betas"] = (0.8, 1.0)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['betas'\]"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state
+
+
+@pytest.mark.parametrize("lr_kind", ["float", "tensor-filled"])
+def test_an_lr_set_between_backward_and_step_after_the_probe_is_said_and_applies_next(lr_kind):
+    """Past the probe the buckets have stepped with the lr before: a warning names it, and
+    training goes on as the ordinary loop where the lr was set after that step, bitwise."""
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['lr'\] was changed between "
+                                         r"backward and step\(\).*applies from the next"):
+        in_backward = _lr_set_between_backward_and_step(True, set_at=2, lr_kind=lr_kind)
+    _assert_same(*_lr_set_between_backward_and_step(False, set_at=2, lr_kind=lr_kind),
+                 *in_backward)
+
+
+def test_hyper_parameters_set_before_backward_are_neither_refused_nor_said():
+    """Schedulers stepped after optimizer.step() (every step, here) set the lr before the
+    next backward pass, as stepping in backward needs."""
+    import warnings
+
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    scheduler = torch.optim.lr_scheduler.LambdaLR(opt, lambda t: 1.0 / (t + 1))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        _train(model, opt, _batches(4), scheduler)
