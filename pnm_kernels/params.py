@@ -8,7 +8,7 @@ import torch
 
 from .backends.base import Batch
 from .backends.layout import dense_like, is_dense
-from .state import is_plain
+from .state import is_dtensor, is_plain
 
 
 def describe(param, gi, pi) -> str:
@@ -73,13 +73,8 @@ def holdable(p) -> bool:
 
 
 def local(t: torch.Tensor) -> torch.Tensor:
-    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place.
-    DTensor is looked up, not imported: importing torch.distributed.tensor costs ~0.3 s,
-    and a program with DTensors has imported it."""
-    dtensor = sys.modules.get("torch.distributed.tensor")
-    if dtensor is not None and isinstance(t, dtensor.DTensor):
-        return t._local_tensor
-    return t
+    """The shard a DTensor (FSDP2) holds on this rank; the kernels update shards in place."""
+    return t._local_tensor if is_dtensor(t) else t  # type: ignore[attr-defined]
 
 
 def shard_holdable(p) -> bool:

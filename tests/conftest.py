@@ -154,10 +154,14 @@ def assert_same_bits(opt_a, params_a, opt_b, params_b):
     """Parameters and every state tensor bitwise equal, dtypes included."""
     for p, q in zip(params_a, params_b):
         assert torch.equal(p, q)
-        assert opt_a.state[p].keys() == opt_b.state[q].keys()
-        for key, value in opt_a.state[p].items():
-            other = opt_b.state[q][key]
-            assert value.dtype == other.dtype and torch.equal(value, other), key
+        assert_same_entry(opt_a.state[p], opt_b.state[q])
+
+
+def assert_same_entry(entry, other):
+    """Two parameters' state entries: the same keys, each tensor bitwise, dtypes included."""
+    assert entry.keys() == other.keys()
+    for key, value in entry.items():
+        assert value.dtype == other[key].dtype and torch.equal(value, other[key]), key
 
 
 def round_trip(state_dict):

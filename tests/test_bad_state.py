@@ -8,7 +8,7 @@ import torch
 
 import cases
 from cases import FAST_PATHS
-from conftest import DEVICE, OPTIMIZERS, assert_same_bits, make_params, train
+from conftest import DEVICE, OPTIMIZERS, assert_same_bits, assert_same_entry, make_params, train
 
 
 def _assert_step_refused_untouched(opt, params, match):
@@ -285,13 +285,7 @@ def test_a_parameter_whose_elements_share_memory_is_refused_before_any_change(pa
     _assert_step_refused_untouched(
         opt, params, r"params'\]\[1\].* has elements that share memory \(an expanded")
     for p, entry in before.items():
-        assert_same_bits_of(entry, opt.state[p])
-
-
-def assert_same_bits_of(entry, other):
-    assert entry.keys() == other.keys()
-    for key, value in entry.items():
-        assert torch.equal(value, other[key]), key
+        assert_same_entry(entry, opt.state[p])
 
 
 GRADIENTS_SHARING_MEMORY = {
