@@ -111,5 +111,5 @@ setup(
     ext_modules=[extension],
     cmdclass={"build_ext": BuildExtension.with_options(use_ninja=True)},
     python_requires=">=3.10",
-    install_requires=["torch>=2.6"],  # see README, "How it is tested"
+    install_requires=["torch>=2.6"],  # see docs/testing.md, "Versions"
 )

@@ -1,4 +1,4 @@
-// The fp16 side of the fused CPU kernel (cpu_kernel.cpp, which alone includes this): fp16
+// The fp16 side of the fused CPU kernels (included through cpu_elements.h): fp16
 // widened to fp32 in vector registers (Lanes), and the fp32 tiles that take the elements the
 // registers leave. Every lane and tile element computes what the scalar fp32 loop computes,
 // bit for bit (docs/design.md §4).

@@ -13,7 +13,7 @@ from .aliasing import GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
                             own_state)
-from .backends.layout import dense_like
+from .layout import dense_like
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)

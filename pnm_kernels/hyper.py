@@ -139,7 +139,7 @@ class Hyper:
 
     @property
     def num_buffers(self) -> int:
-        """How many state buffers a step reads (kernel table order, see state.py)."""
+        """How many state buffers a step reads (in the kernels' list order: backends/base.py)."""
         if not self.adaptive:
             return 2
         return 4 if self.amsgrad else 3

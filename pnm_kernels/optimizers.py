@@ -265,8 +265,10 @@ class PNM(_PositiveNegativeMomentum):
         backend: "auto" (the fastest available), "fused" (compiled CPU/CUDA kernels),
             "triton", "foreach" or "reference" (pnm_kernels/reference.py, the ground truth).
         state_dtype: the dtype of the momentum buffers: None (the parameter's), torch.float32,
-            or torch.bfloat16 (half the memory; written with stochastic rounding, so the
-            averages do not stall; docs/design.md §7). The arithmetic is float32 either way.
+            torch.bfloat16 (half the memory; written with stochastic rounding, so the
+            averages do not stall; docs/design.md §7) or torch.int8 (block-wise codes, a
+            float32 scale per 128 elements of a row, codes rounded stochastically: about
+            2.06 bytes a parameter; §8). The arithmetic is float32 for all three.
         bf16_stochastic_round: write bfloat16 parameters (and any bfloat16 buffer) with
             stochastic rounding: pure-bf16 training without float32 master weights, where
             rounding to nearest loses updates smaller than half a bf16 ulp. Other dtypes are
@@ -323,8 +325,10 @@ class AdaPNM(_PositiveNegativeMomentum):
         backend: "auto" (the fastest available), "fused" (compiled CPU/CUDA kernels),
             "triton", "foreach" or "reference" (pnm_kernels/reference.py, the ground truth).
         state_dtype: the dtype of all four buffers: None (the parameter's), torch.float32,
-            or torch.bfloat16 (half the memory; written with stochastic rounding;
-            docs/design.md §7). The arithmetic is float32 either way.
+            torch.bfloat16 (half the memory; written with stochastic rounding;
+            docs/design.md §7) or torch.int8 (block-wise codes with a float32 scale per 128
+            elements of a row, the second moments on their own map; §8). The arithmetic is
+            float32 for all three.
         bf16_stochastic_round: write bfloat16 parameters (and any bfloat16 buffer) with
             stochastic rounding, as for PNM.
 

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from .backends.base import Batch
-from .backends.layout import dense_like, is_dense
+from .layout import dense_like, is_dense
 from .state import is_dtensor, is_plain
 
 

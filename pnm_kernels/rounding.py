@@ -25,6 +25,8 @@ small update (b1 = 0.999) stall at a fraction of its value.
 """
 import torch
 
+from .layout import is_dense
+
 GOLDEN = 0x9E3779B9
 MIX_MUL_1 = 0x21F0AAAD
 MIX_MUL_2 = 0xD35A2D97
@@ -71,19 +73,9 @@ def element_index(buffer: torch.Tensor, offset: int = 0) -> torch.Tensor:
     tensor; for one with gaps or overlaps, which the kernels step as a dense copy, row-major)
     plus `offset`, the elements before this shard (FSDP2's dim-0 shards)."""
     count = torch.arange(buffer.numel(), dtype=torch.int64, device=buffer.device)
-    if not _dense(buffer):
+    if not is_dense(buffer):
         return count.reshape(buffer.shape) + offset
     return torch.as_strided(count, buffer.shape, buffer.stride()) + offset
-
-
-def _dense(t: torch.Tensor) -> bool:
-    """Whether t's elements fill its memory without gaps or overlaps (in some dim order)."""
-    expected = 1
-    for d in sorted((d for d in range(t.dim()) if t.shape[d] != 1), key=t.stride):
-        if t.stride(d) != expected:
-            return False
-        expected *= t.shape[d]
-    return True
 
 
 def element_hash(seed, step, index: torch.Tensor) -> torch.Tensor:

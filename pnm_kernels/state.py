@@ -14,7 +14,7 @@ import torch
 
 from . import quantization
 from .backends.base import STEP_DTYPE
-from .backends.layout import is_dense, same_dense_layout
+from .layout import is_dense, same_dense_layout
 
 # How often anyone but the optimizers changed which tensors a state holds. One counter for
 # the process: a state entry may be shared between optimizers (opt2.state = opt1.state), and

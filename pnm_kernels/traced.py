@@ -22,7 +22,7 @@ def step(optimizer, scaling: Scaling) -> None:
     for group in optimizer.param_groups:
         lists: list[list[torch.Tensor]] = [[] for _ in range(8)]
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
-        # int8 state: a list per buffer (as batching's Batch.scales). Flat lists: dynamo finds
+        # int8 state: a list per buffer (as backends.base.Batch.scales). Flat lists: dynamo finds
         # the sources of the tensors the untraced _init_group puts into them.
         scales: list[list] = [[] for _ in range(4)]
         batches = optimizer._init_group(group, params, grads, buffer0, buffer1, buffer2,

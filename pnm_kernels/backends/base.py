@@ -13,7 +13,7 @@ import torch
 
 from .._ops import extension_error
 from ..hyper import Hyper
-from .layout import fits
+from ..layout import fits
 
 EMULATE_ENV = "PNM_KERNELS_EMULATE_CUDA"
 PNM_BUFFERS: tuple[str, ...] = ("pos_momentum", "neg_momentum")

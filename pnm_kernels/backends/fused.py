@@ -165,8 +165,8 @@ def _int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
 
 def _state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
     """The kernels for state in a dtype of its own (csrc/cpu_state_kernel.cpp on the CPU,
-    csrc/state_block.h on CUDA or emulated). Their lists are cached, not held in C++
-    (BatchCache confirms them before each step: docs/design.md §5)."""
+    csrc/state_block.h on CUDA or emulated). Their lists are cached (BatchCache) and held in
+    C++ (StateLists), confirmed before each step, not repeated (docs/design.md §5)."""
     device = batch.params[0].device
     lr, lr_tensor = split_lr(hyper.lr, device, keep_float64=True)
     ops = torch.ops.pnm_kernels

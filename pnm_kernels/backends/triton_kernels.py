@@ -206,9 +206,9 @@ class LaunchConfig:
 
 # Per GPU generation; the interpreter gets small chunks so tests cross chunk boundaries. The
 # Hopper entries were chosen by benchmarks/experiments/tune_triton.py and confirmed with
-# bench_step.py side by side on an H200 (docs/performance.md, "Triton launch configuration"):
-# fp32 8192 x 2 with 16 warps was within 1 % of the best tried, and stays the fastest measured
-# although it runs at the 128-register cap and spills in AdaPNM-AMSGrad.
+# bench_step.py side by side on an H200 (docs/performance.md, "Triton launch configurations"):
+# fp32 PNM's 8192 x 2 with 16 warps was within 1 % of the best tried, and stays the fastest
+# measured although it runs at the 128-register cap and spills. fp64 takes it too (untuned).
 _CONFIGS = {
     "interpreter": LaunchConfig(block=64, iters=2, num_warps=4),
     9: LaunchConfig(block=8192, iters=2, num_warps=16),

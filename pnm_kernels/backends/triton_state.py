@@ -1,7 +1,7 @@
 """backend="triton" for state in a dtype of its own (docs/design.md §7) and int8 state (§8):
 the host side of triton_state_kernels.py. Tables as triton.py's, cached under the tensors'
-addresses, sizes, seeds' addresses and offsets; such batches are cached, not held in C++ (as
-for the fused backend). The kernels check nothing: the optimizer made every buffer, seed and
+addresses, sizes, seeds' addresses and offsets; such batches are cached in Python (the fused
+backend also holds them in C++). The kernels check nothing: the optimizer made every buffer, seed and
 scale tensor to fit its parameter (state.py), a cached batch's tensors are confirmed to be
 laid out as then before each step (BatchCache, HeldLayouts), and the lists' lengths here."""
 import torch
