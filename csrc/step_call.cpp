@@ -15,6 +15,16 @@ LaunchLimits& launch_limits() {
 
 namespace {
 
+// Whether two dense tensors' memory overlaps (a gradient given its parameter's memory,
+// `p.grad = p.detach()`: the foreach and reference steps read it after writing the
+// parameter, the kernels before; the planned step refuses it, naming it, aliasing.py).
+bool dense_spans_overlap(const at::Tensor& a, const at::Tensor& b) {
+  const auto* a0 = static_cast<const char*>(a.const_data_ptr());
+  const auto* b0 = static_cast<const char*>(b.const_data_ptr());
+  if (a0 == nullptr || b0 == nullptr) return false;  // meta tensors: no memory
+  return a0 < b0 + b.numel() * b.element_size() && b0 < a0 + a.numel() * a.element_size();
+}
+
 constexpr const char* kPnmListNames[] = {"params", "grads", "pos_momentums", "neg_momentums"};
 constexpr const char* kAdaPnmListNames[] = {"params",       "grads",      "exp_avgs",
                                             "neg_exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
@@ -163,6 +173,8 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
       TORCH_CHECK(dense_like(t, p), "pnm_kernels: ", names[l], "[", i,
                   "] must be dense and laid out like params[", i, "] (strides ", t.strides(),
                   " vs ", p.strides(), ")");
+      TORCH_CHECK(l != 1 || !dense_spans_overlap(t, p), "pnm_kernels: grads[", i,
+                  "] shares memory with params[", i, "]");
     }
     const at::Tensor& s = call.steps[i];
     TORCH_CHECK(s.defined() && s.numel() == 1 && s.scalar_type() == at::kDouble &&
@@ -339,7 +351,8 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool 
     if (!g.defined() || g.layout() != at::kStrided || p.layout() != at::kStrided ||
         p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
         g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
-        !g.sizes().equals(p.sizes()) || (same_layout && !dense_like(g, p))) {
+        !g.sizes().equals(p.sizes()) ||
+        (same_layout && (!dense_like(g, p) || dense_spans_overlap(g, p)))) {
       return static_cast<int64_t>(i);
     }
   }

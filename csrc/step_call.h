@@ -126,7 +126,7 @@ inline bool dense_like(const at::Tensor& t, const at::Tensor& p) {
 
 // The optimizer's per-step gradient check for a batch, without a Python loop: the index of
 // the first gradient that does not fit its parameter, -1 if all do. With same_layout, a
-// gradient that is not dense and laid out like its parameter counts too.
+// gradient that is not dense and laid out like its parameter, or shares its memory, counts too.
 int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool same_layout);
 
 // Bumps the version counter of every tensor the op may write (all but the grads), as torch's

@@ -48,6 +48,14 @@ class ParamState(_CountsChanges, dict):
     """One parameter's state, its changes from outside counted."""
     __slots__ = ()
 
+    def __setitem__(self, key, value) -> None:
+        # A counter set by hand as a number (the authors' checkpoints hold ints) is made a
+        # tensor at once, as load_state_dict makes it: torch.compile reads `.is_cpu` of every
+        # state["step"] before any code of ours runs (an internal dynamo error on an int).
+        if key == "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+            value = torch.tensor(float(value), dtype=STEP_DTYPE)
+        super().__setitem__(key, value)
+
 
 class OptimizerState(_CountsChanges, defaultdict):
     """optimizer.state: a defaultdict of ParamState, entries replaced or deleted counted."""

@@ -19,6 +19,7 @@ from .quantization import scale_name
 
 
 def step(optimizer, scaling: Scaling) -> None:
+    _check_cpu_lrs(optimizer)
     for group in optimizer.param_groups:
         lists: list[list[torch.Tensor]] = [[] for _ in range(8)]
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
@@ -54,6 +55,21 @@ def step(optimizer, scaling: Scaling) -> None:
                   for t in (scaling.grad_scale, scaling.found_inf))))
             writeback(writebacks)
             start = end
+
+
+def _check_cpu_lrs(optimizer) -> None:
+    """A CPU tensor lr, checked as eager checks it (hyper.validate_lr) but inside the graph,
+    before any group steps: dynamo does not guard a tensor lr's value, so init_group's check
+    would see only the lr the step was traced with (one filled with NaN later stepped every
+    parameter to NaN). A device lr is not checked, as in eager: the check would synchronise,
+    and a failed device assert ends the process."""
+    for gi, group in enumerate(optimizer.param_groups):
+        lr = group["lr"]
+        if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1
+                and lr.is_floating_point()):
+            torch._assert_async((lr >= 0) & torch.isfinite(lr),
+                                f"param_groups[{gi}]: invalid lr (a tensor now NaN, infinite or "
+                                "negative); need a finite real number >= 0")
 
 
 def _check_every_group(optimizer) -> None:

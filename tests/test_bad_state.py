@@ -191,18 +191,25 @@ def test_state_sharing_memory_with_what_the_step_writes_is_refused_before_any_ch
     _assert_step_refused_untouched(opt, params, match.format(a=a, b=b))
 
 
+@pytest.mark.parametrize("when", ["first step", "after steps"])
 @cases.parametrize(FAST_PATHS + ["reference"])
-def test_a_gradient_in_its_parameters_memory_is_refused_before_any_change(path, name):
-    """Checked where the step's lists are built (its first step, or the first after an edit
-    of the state): a gradient is then no longer read after the parameter was written."""
+def test_a_gradient_in_its_parameters_memory_is_refused_before_any_change(path, name, when):
+    """The reference and foreach steps would read it after writing the parameter, the
+    kernels before: refused, naming it, where the step's lists are built and, past that,
+    where a held or repeated step checks its gradients (`p.grad = p.detach()`)."""
     params = make_params([(8,), (3, 2)])
     opt = OPTIMIZERS[name](params, backend=path)
+    if when == "after steps":
+        train(opt, params, 3)
+    before = [p.detach().clone() for p in params]
     params[0].grad = torch.ones_like(params[0])
     params[1].grad = params[1].data
     with pytest.raises(RuntimeError, match=r"params'\]\[1\].*: its gradient shares memory "
                                            "with the parameter itself"):
         opt.step()
-    assert not opt.state or all(int(opt.state[p]["step"]) == 0 for p in opt.state)
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    steps = 0 if when == "first step" else 3
+    assert not opt.state or all(int(opt.state[p]["step"]) == steps for p in opt.state)
 
 
 # Two parameters that are columns of one tensor: every other one, or a block each (a fused

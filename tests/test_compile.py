@@ -144,6 +144,61 @@ def test_a_compiled_step_refuses_bad_state_naming_it_before_any_state_converts(n
     assert all(opt.state[params[0]][key] is value for key, value in first_state.items())
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0], ids=["nan", "negative"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step(backend,
+                                                                                 compiler, bad):
+    """Dynamo does not guard a tensor lr's value (a new value must not recompile), so the
+    step checks a CPU lr inside the graph, as eager checks it: refused naming the group,
+    before any group stepped (here the first, whose lr is fine)."""
+    torch._dynamo.reset()
+    params = [torch.randn(5, requires_grad=True) for _ in range(2)]
+    lrs = [torch.tensor(1e-2), torch.tensor(1e-3)]
+    opt = OPTIMIZERS["AdaPNM"]([dict(params=[p], lr=lr) for p, lr in zip(params, lrs)],
+                               backend=backend)
+    step = torch.compile(opt.step, backend=compiler)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    step()
+    values = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    lrs[1].fill_(bad)
+    try:
+        with pytest.raises(RuntimeError, match=r"param_groups\[1\]: invalid lr"):
+            step()
+    finally:
+        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
+    for p, v, state in zip(params, values, states):
+        assert torch.equal(p, v)
+        assert all(torch.equal(opt.state[p][k], value) for k, value in state.items())
+    lrs[1].fill_(1e-3)
+    step()  # the same graph, stepping again
+    assert [int(opt.state[p]["step"]) for p in params] == [2, 2]
+
+
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_a_step_counter_set_by_hand_as_a_number_is_taken_by_the_compiled_step(backend):
+    """As by the eager step (the authors' checkpoints hold ints): the next compiled step
+    continues from it (torch.compile reads every counter's device before our code runs)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (True, False):
+        p = torch.nn.Parameter(torch.arange(6.0))
+        opt = OPTIMIZERS["AdaPNM"]([p], lr=1e-2, backend=backend)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        p.grad = torch.ones_like(p)
+        step()
+        opt.state[p]["step"] = 7
+        p.grad = torch.full_like(p, 0.5)
+        step()
+        runs.append((p, opt))
+    (p, opt), (q, eager) = runs
+    assert int(opt.state[p]["step"]) == 8
+    assert torch.equal(p, q)
+    assert all(torch.equal(value, eager.state[q][k]) for k, value in opt.state[p].items())
+
+
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name):
     """fp32/fp16/bf16, complex, transposed, channels_last, a strided slice, 0-dim and empty
