@@ -1,5 +1,6 @@
 """torch.compile: the optimizer step traces without graph breaks (custom ops with fake
-kernels, no host reads) and gives what eager gives."""
+kernels, no host reads), gives what eager gives, and refuses what eager refuses (bad state,
+a CPU lr filled with a bad value), naming it."""
 import pytest
 import torch
 import torch._dynamo
