@@ -2,6 +2,8 @@
 over: under torch.compile the traced step (traced.py); else the last step repeated from the
 lists held in C++ (repeat.py) where nothing it depends on changed; else a planned step
 (plan.py), which checks everything before any backend touches a tensor."""
+import contextlib
+from collections import OrderedDict
 from typing import Optional
 
 import torch
@@ -59,6 +61,14 @@ class _PositiveNegativeMomentum(Optimizer):
                 group.setdefault(key, value)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        # The hooks run where torch runs them around its loading, here around ours: the
+        # pre-hooks first (a user's converter of another optimizer's checkpoint is checked
+        # as it returns it), the post-hooks once this optimizer's state is final.
+        state_dict = state_dict.copy()
+        for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
+            result = pre_hook(self, state_dict)
+            if result is not None:
+                state_dict = result
         # Checked before anything is replaced: a state_dict of another optimizer (AdamW's
         # two betas) is refused here, not at the next step with the groups already loaded.
         for gi, group in enumerate(state_dict.get("param_groups", [])):
@@ -71,7 +81,8 @@ class _PositiveNegativeMomentum(Optimizer):
         # tensors move to the parameters' device, and a checkpoint of a GPU's Triton run
         # steps on the CPU's fused kernel.
         kept = [{key: group[key] for key in _KEPT_ON_LOAD} for group in self.param_groups]
-        super().load_state_dict(state_dict)  # its state made counted by __setstate__
+        with _load_hooks_set_aside(self):
+            super().load_state_dict(state_dict)  # its state made counted by __setstate__
         for group, own in zip(self.param_groups, kept):
             group.update(own)
         self._batches.drop()
@@ -91,6 +102,8 @@ class _PositiveNegativeMomentum(Optimizer):
                 # done).
                 if is_one_number(state.get("step")):
                     put(state, "step", as_step(state["step"], p))
+        for post_hook in self._optimizer_load_state_dict_post_hooks.values():
+            post_hook(self)
 
     def add_param_group(self, param_group: dict) -> None:
         where = f"param_groups[{len(self.param_groups)}]"
@@ -212,6 +225,20 @@ class _PositiveNegativeMomentum(Optimizer):
         (see traced.init_group)."""
         return traced.init_group(self, group, params, grads, buffer0, buffer1, buffer2,
                                  buffer3, steps, seeds, [scale0, scale1, scale2, scale3])
+
+
+@contextlib.contextmanager
+def _load_hooks_set_aside(optimizer):
+    """torch's load_state_dict without the load hooks, which the caller runs itself."""
+    pre, post = (optimizer._optimizer_load_state_dict_pre_hooks,
+                 optimizer._optimizer_load_state_dict_post_hooks)
+    optimizer._optimizer_load_state_dict_pre_hooks = OrderedDict()
+    optimizer._optimizer_load_state_dict_post_hooks = OrderedDict()
+    try:
+        yield
+    finally:
+        optimizer._optimizer_load_state_dict_pre_hooks = pre
+        optimizer._optimizer_load_state_dict_post_hooks = post
 
 
 def _refuse_foreign_state(state_dict: dict, names: tuple, optimizer: str) -> None:

@@ -152,6 +152,65 @@ def test_keys_of_the_users_own_beside_the_buffers_load_and_stay():
     assert torch.equal(opt.state[params[0]]["my_ema"], torch.ones(4))
 
 
+def test_a_load_pre_hook_converting_an_adamw_checkpoint_runs_before_anything_is_checked():
+    """torch runs the pre-hooks first: a user's converter of another optimizer's checkpoint
+    (AdamW's two betas made three, its buffers renamed) is what gets checked and loaded."""
+    p = torch.nn.Parameter(torch.randn(4))
+    adamw = torch.optim.AdamW([p], lr=1e-3)
+    p.grad = torch.randn(4)
+    adamw.step()
+
+    def from_adamw(opt, saved):
+        state = {i: dict(step=s["step"], exp_avg=s["exp_avg"],
+                         neg_exp_avg=torch.zeros_like(s["exp_avg"]), exp_avg_sq=s["exp_avg_sq"],
+                         max_exp_avg_sq=s["exp_avg_sq"].clone())
+                 for i, s in saved["state"].items()}
+        groups = [dict(g, betas=(*g["betas"], 1.0)) for g in saved["param_groups"]]
+        return {"state": state, "param_groups": groups}
+
+    opt = AdaPNM([p], lr=1e-3)
+    opt.register_load_state_dict_pre_hook(from_adamw)
+    opt.load_state_dict(adamw.state_dict())
+    assert opt.param_groups[0]["betas"] == (0.9, 0.999, 1.0)
+    assert torch.equal(opt.state[p]["exp_avg"], adamw.state[p]["exp_avg"])
+    train(opt, [p], 1, start=1)
+
+
+@cases.parametrize(["reference", "foreach", "fused"])
+def test_load_hooks_edit_what_is_loaded_and_what_was_loaded(path, name):
+    """bfloat16 parameters with float32 state, whose loading puts each saved tensor back in
+    its own dtype: a pre-hook's edit of the state_dict (a momentum reset on resume) is what
+    loads, and a post-hook runs once the state is final (its dtypes), its edits kept."""
+    params = [torch.nn.Parameter(torch.randn(6).bfloat16())]
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path, state_dtype=torch.float32)
+    train(opt, params, 3)
+    saved = opt.state_dict()
+    first = opt._buffer_names[0]
+
+    def reset_first(opt, saved):
+        state = {i: {k: torch.zeros_like(v) if k == first else v for k, v in s.items()}
+                 for i, s in saved["state"].items()}
+        return {"state": state, "param_groups": saved["param_groups"]}
+
+    seen = []
+
+    def fill_second(opt):
+        entry = opt.state[params[0]]
+        seen.append(entry[first].dtype)
+        entry[opt._buffer_names[1]].fill_(0.5)
+        opt.param_groups[0]["state_dtype"] = torch.bfloat16
+
+    fresh = OPTIMIZERS[name](params, lr=1e-2, backend=path, state_dtype=torch.float32)
+    fresh.register_load_state_dict_pre_hook(reset_first)
+    fresh.register_load_state_dict_post_hook(fill_second)
+    fresh.load_state_dict(saved)
+    entry = fresh.state[params[0]]
+    assert seen == [torch.float32]
+    assert entry[first].dtype == torch.float32 and not entry[first].any()
+    assert bool((entry[fresh._buffer_names[1]] == 0.5).all())
+    assert fresh.param_groups[0]["state_dtype"] == torch.bfloat16
+
+
 @pytest.mark.parametrize("kind", ["numpy-int64", "numpy-float32", "one-element-tensor"])
 @OVER_OPTIMIZERS
 def test_a_step_counter_set_as_any_real_number_counts_on(name, kind):
