@@ -43,6 +43,18 @@ def validate_lr(lr, where: str) -> None:
         _check_real(where, "lr", lr, low=0.0)
 
 
+def assert_lr_in_graph(lr, where: str) -> None:
+    """validate_lr's check of a CPU tensor lr's value, as an op of a traced step: dynamo
+    does not guard that value, so a check at tracing would see only the lr the step was
+    traced with (one filled with NaN later stepped every parameter to NaN). A device lr is
+    not checked, as in eager (a failed device assert also ends the process)."""
+    if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1
+            and lr.is_floating_point()):
+        torch._assert_async((lr >= 0) & torch.isfinite(lr),
+                            f"{where}: invalid lr (a tensor now NaN, infinite or negative); "
+                            "need a finite real number >= 0")
+
+
 def validate_group(group: dict, adaptive: bool, where: str) -> None:
     """Checks every hyper-parameter of a group (docs/design.md §1 "Valid hyper-parameters")."""
     validate_lr(group["lr"], where)
@@ -210,6 +222,6 @@ def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
 
 
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
-           "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
+           "assert_lr_in_graph", "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
            "lr_dtype_for", "STATE_DTYPES", "check_state_dtype",
            "steps_in_float32", "needs_seed"]

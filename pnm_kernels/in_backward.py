@@ -308,7 +308,8 @@ class StepInBackward:
     def _note_hypers(self) -> None:
         """The groups' hyper-parameters as this step's first gradient is made."""
         if self._hypers_at_backward is None:
-            self._hypers_at_backward = {id(group): (group, _step_signature(self._optimizer, group))
+            keys = _step_keys(self._optimizer)
+            self._hypers_at_backward = {id(group): (group, signature(group, keys))
                                         for group in self._optimizer.param_groups}
 
     def _hyper_changed_since_backward(self) -> str | None:
@@ -317,12 +318,12 @@ class StepInBackward:
         seen, self._hypers_at_backward = self._hypers_at_backward, None
         if seen is None:
             return None
+        keys = _step_keys(self._optimizer)
         for gi, group in enumerate(self._optimizer.param_groups):
             before = seen.get(id(group))
             if before is None or before[0] is not group:
                 continue  # a group added since: it had nothing stepped
-            now = _step_signature(self._optimizer, group)
-            for key, old, new in zip(_step_keys(self._optimizer), before[1], now):
+            for key, old, new in zip(keys, before[1], signature(group, keys)):
                 if old != new:
                     return f"param_groups[{gi}][{key!r}]"
         return None
@@ -352,10 +353,6 @@ _CHANGED = ("step_in_backward: {} was changed between backward and step(): insid
 def _step_keys(optimizer) -> tuple:
     """The group keys that change what a step computes (the backend only how)."""
     return tuple(key for key in optimizer._keys if key != "backend")
-
-
-def _step_signature(optimizer, group: dict) -> tuple:
-    return signature(group, _step_keys(optimizer))
 
 
 def refuse_ddp(named_params, ddp_given: bool = False) -> None:

@@ -11,7 +11,7 @@ from .aliasing import MemoryClaims
 from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import ParameterPlaces, writeback
-from .hyper import Hyper, lr_dtype_for, needs_seed, validate_group
+from .hyper import Hyper, assert_lr_in_graph, lr_dtype_for, needs_seed, validate_group
 from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
                      kernel_views, local)
 from .plan import group_batches
@@ -19,7 +19,8 @@ from .quantization import scale_name
 
 
 def step(optimizer, scaling: Scaling) -> None:
-    _check_cpu_lrs(optimizer)
+    for gi, group in enumerate(optimizer.param_groups):  # before any group steps
+        assert_lr_in_graph(group["lr"], f"param_groups[{gi}]")
     for group in optimizer.param_groups:
         lists: list[list[torch.Tensor]] = [[] for _ in range(8)]
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
@@ -55,21 +56,6 @@ def step(optimizer, scaling: Scaling) -> None:
                   for t in (scaling.grad_scale, scaling.found_inf))))
             writeback(writebacks)
             start = end
-
-
-def _check_cpu_lrs(optimizer) -> None:
-    """A CPU tensor lr, checked as eager checks it (hyper.validate_lr) but inside the graph,
-    before any group steps: dynamo does not guard a tensor lr's value, so init_group's check
-    would see only the lr the step was traced with (one filled with NaN later stepped every
-    parameter to NaN). A device lr is not checked, as in eager: the check would synchronise,
-    and a failed device assert ends the process."""
-    for gi, group in enumerate(optimizer.param_groups):
-        lr = group["lr"]
-        if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1
-                and lr.is_floating_point()):
-            torch._assert_async((lr >= 0) & torch.isfinite(lr),
-                                f"param_groups[{gi}]: invalid lr (a tensor now NaN, infinite or "
-                                "negative); need a finite real number >= 0")
 
 
 def _check_every_group(optimizer) -> None:
