@@ -87,12 +87,14 @@ def validate_group(group: dict, adaptive: bool, where: str) -> None:
 
 def _value_signature(v):
     # A tensor by identity, version and memory (`lr.data = ...` bumps no version, and a Hyper
-    # holds a detached lr that keeps the old memory); a list (betas given as one) by its
-    # values: the list itself would equal itself after an edit in place, which then went
-    # unvalidated. Anything else with its type: `amsgrad = 1` where it was True is equal,
-    # yet refused where given first.
+    # holds a detached lr that keeps the old memory), and a CPU one by its value too
+    # (`lr.data.fill_(-1)` bumps none either; a device lr is not read back: validate_lr); a
+    # list (betas given as one) by its values: the list itself would equal itself after an
+    # edit in place, which then went unvalidated. Anything else with its type: `amsgrad = 1`
+    # where it was True is equal, yet refused where given first.
     if isinstance(v, torch.Tensor):
-        return id(v), v._version, v.data_ptr()
+        value = v.detach().item() if v.device.type == "cpu" and v.numel() == 1 else None
+        return id(v), v._version, v.data_ptr(), value
     return (list, tuple(v)) if type(v) is list else (type(v), v)
 
 

@@ -78,17 +78,28 @@ def test_invalid_value_set_after_construction_raises_at_step_before_any_change(n
     assert torch.equal(params[0], before) and not opt.state
 
 
+def _set_lr(group, how, value):
+    if how == "assigned":
+        group["lr"] = value
+    elif how == "tensor_filled":
+        group["lr"].fill_(value)  # as torch's schedulers set a tensor lr
+    else:
+        group["lr"].data.fill_(value)  # bumps no version: the value itself must be read
+
+
+@pytest.mark.parametrize("how", ["assigned", "tensor_filled", "tensor_data_filled"])
 @pytest.mark.parametrize("bad_lr", [float("nan"), -0.1, float("inf")], ids=["nan", "negative", "inf"])
 @cases.parametrize(["reference"] + FAST_PATHS)
-def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, bad_lr):
+def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, bad_lr, how):
     """As a scheduler sets it, after steps that repeat the last one (whose check of a new
     float lr is the lr's alone): the step raises naming the group, changes nothing, and
     steps again once the lr is valid."""
     params = make_params([(5,), (3, 2)])
-    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], lr=0.01,
+    lr = 0.01 if how == "assigned" else torch.tensor(0.01)
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:], lr=lr)], lr=0.01,
                            backend=path)
     train(opt, params, 3)
-    opt.param_groups[1]["lr"] = bad_lr
+    _set_lr(opt.param_groups[1], how, bad_lr)
     for p in params:
         p.grad = torch.ones_like(p)
     before = [p.detach().clone() for p in params]
@@ -96,7 +107,7 @@ def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, ba
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     assert [opt.state[p]["step"].item() for p in params] == [3, 3]
-    opt.param_groups[1]["lr"] = 0.005
+    _set_lr(opt.param_groups[1], how, 0.005)
     opt.step()
     assert [opt.state[p]["step"].item() for p in params] == [4, 4]
 

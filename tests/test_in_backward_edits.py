@@ -224,8 +224,10 @@ def _lr_set_between_backward_and_step(in_backward, set_at, lr_kind="float"):
     def set_lr():
         if lr_kind == "float":
             opt.param_groups[0]["lr"] = 3e-2
-        else:
+        elif lr_kind == "tensor-filled":
             opt.param_groups[0]["lr"].fill_(3e-2)
+        else:  # bumps no version: seen by the value
+            opt.param_groups[0]["lr"].data.fill_(3e-2)
 
     for t, x in enumerate(_batches(5)):
         opt.zero_grad()
@@ -238,7 +240,7 @@ def _lr_set_between_backward_and_step(in_backward, set_at, lr_kind="float"):
     return model, opt
 
 
-@pytest.mark.parametrize("lr_kind", ["float", "tensor-filled"])
+@pytest.mark.parametrize("lr_kind", ["float", "tensor-filled", "tensor-data-filled"])
 def test_an_lr_set_between_backward_and_step_is_refused_by_the_probe_nothing_stepped(lr_kind):
     """The ordinary step would step with it; the buckets inside backward could not: the
     probe finds it before any parameter moved, naming the group's key."""
@@ -257,7 +259,7 @@ def test_an_lr_set_between_backward_and_step_is_refused_by_the_probe_nothing_ste
     assert not opt.state
 
 
-@pytest.mark.parametrize("lr_kind", ["float", "tensor-filled"])
+@pytest.mark.parametrize("lr_kind", ["float", "tensor-filled", "tensor-data-filled"])
 def test_an_lr_set_between_backward_and_step_after_the_probe_is_said_and_applies_next(lr_kind):
     """Past the probe the buckets have stepped with the lr before: a warning names it, and
     training goes on as the ordinary loop where the lr was set after that step, bitwise."""
