@@ -74,7 +74,7 @@ class _PositiveNegativeMomentum(Optimizer):
         for gi, group in enumerate(state_dict.get("param_groups", [])):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
-        _refuse_foreign_state(state_dict, self._buffer_names, type(self).__name__)
+        _refuse_foreign_state(state_dict, self._buffer_names, self._keys, type(self).__name__)
         saved = _saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its
@@ -241,20 +241,29 @@ def _load_hooks_set_aside(optimizer):
         optimizer._optimizer_load_state_dict_post_hooks = post
 
 
-def _refuse_foreign_state(state_dict: dict, names: tuple, optimizer: str) -> None:
+def _refuse_foreign_state(state_dict: dict, names: tuple, keys: tuple, optimizer: str) -> None:
     """Raises, naming the entry, where a saved entry holds none of this optimizer's buffers
     but keys it never holds: another optimizer's state (SGD's momentum_buffer, RMSprop's
     square_avg), whose step counter would carry over onto fresh buffers. Keys of a user's own
-    beside this optimizer's buffers stay, as torch's optimizers keep them."""
+    beside this optimizer's buffers stay, as torch's optimizers keep them, and so does an
+    entry of a user's keys alone (a parameter not stepped yet) where the groups were saved
+    by PNM or AdaPNM (they hold this optimizer's hyper-parameter keys: `backend`...)."""
     own = set(keys_read(names))
+    ours = all(set(keys) <= group.keys() for group in state_dict.get("param_groups", []))
     for index, entry in state_dict.get("state", {}).items():
         foreign = sorted(str(key) for key in entry if key not in own)
+        if ours and not any(key in _ANY_BUFFER_KEY for key in entry):
+            continue  # a user's own keys on a parameter with no state of ours
         if foreign and not any(name in entry for name in names):
             raise ValueError(
                 f"state_dict['state'][{index!r}] holds {', '.join(map(repr, foreign))} and none "
                 f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
                 "optimizer? Load the model's weights alone, and let this optimizer's state "
                 "start afresh")
+
+
+# Every key a step of PNM's or AdaPNM's reads: an entry holding one is optimizer state.
+_ANY_BUFFER_KEY = frozenset(keys_read(PNM_BUFFERS + ADAPNM_BUFFERS))
 
 
 def _saved_tensors(state_dict: dict, param_groups) -> dict:

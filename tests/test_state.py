@@ -152,6 +152,29 @@ def test_keys_of_the_users_own_beside_the_buffers_load_and_stay():
     assert torch.equal(opt.state[params[0]]["my_ema"], torch.ones(4))
 
 
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_a_parameter_holding_only_keys_of_the_users_own_round_trips_and_then_steps(name):
+    """A note put on a parameter not stepped yet is in the state_dict alone; our own
+    checkpoint loads back (it is not another optimizer's), and the parameter's first step
+    starts its state afresh beside the note, as without the round trip."""
+    runs = []
+    for round_trip in (False, True):
+        params = make_params([(4,), (3,)])
+        opt = OPTIMIZERS[name](params, lr=0.05)
+        opt.state[params[1]]["my_note"] = torch.ones(1)
+        train(opt, params[:1], 2)
+        if round_trip:
+            saved = copy.deepcopy(opt.state_dict())
+            assert saved["state"][1].keys() == {"my_note"}
+            opt = OPTIMIZERS[name](params, lr=0.05)
+            opt.load_state_dict(saved)
+        train(opt, params, 2, start=2)
+        runs.append((params, opt))
+    (params, opt), (loaded_params, loaded) = runs
+    assert_states_close(opt, params, loaded, loaded_params, rtol=0, atol=0)
+    assert torch.equal(loaded.state[loaded_params[1]]["my_note"], torch.ones(1))
+
+
 def test_a_load_pre_hook_converting_an_adamw_checkpoint_runs_before_anything_is_checked():
     """torch runs the pre-hooks first: a user's converter of another optimizer's checkpoint
     (AdamW's two betas made three, its buffers renamed) is what gets checked and loaded."""
