@@ -32,6 +32,9 @@ class BatchCache:
         self.watch = StateWatch()
         self._entries: dict = {}
         self.drops = 0  # how many times every cached list was forgotten
+        # The state's version when a bucket's memory was last checked against all the
+        # optimizer's state (plan.run): the buckets after it build lists of state made since.
+        self.whole_checked: object = None
 
     def version(self, optimizer):
         return self.watch.version(optimizer)

@@ -207,7 +207,7 @@ class _PositiveNegativeMomentum(Optimizer):
         names, planner, cache = self._buffer_names, self._planner, self._batches
         self._repeat.forget()  # the repeated step stands for a whole step, not a bucket
         plan = planner.plan(self, cache, names, defer=False, only={id(p) for p in params})
-        planning.run(self, plan, planner, cache, names, Scaling())
+        planning.run(self, plan, planner, cache, names, Scaling(), bucket=True)
 
     def _run(self, plan, scaling: Scaling) -> None:
         names, planner, cache = self._buffer_names, self._planner, self._batches

@@ -225,9 +225,12 @@ def check_grads(batches, params, grads, gi):
     return layouts
 
 
-def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Scaling):
+def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Scaling,
+        bucket: bool = False):
     """Runs every item of the plan; returns the batches it ran. Every batch is built (and
-    checked) before any runs: a step that raises has not touched a parameter."""
+    checked) before any runs: a step that raises has not touched a parameter. A bucket
+    (some of the parameters, stepped inside backward) has its memory checked against the
+    state of all the others too, once a state changed: they step in other buckets."""
     for item in plan:
         check_capturable(item.backend, item.params[0].device)
     item_names = [planner.buffer_names(names, item.group) for item in plan]
@@ -242,6 +245,9 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
             cache.check_states(optimizer, item.group, item.params, n, claims)
+    if bucket and None in reused and cache.whole_checked != cache.version(optimizer):
+        _claim_others(optimizer, plan, planner, cache, names, claims)
+        cache.whole_checked = cache.version(optimizer)
     cache.check_memory(optimizer, claims)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
@@ -254,6 +260,19 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         BACKENDS[item.backend].step(batch, planner.hyper(item.group, gi), on_device[device])
         writeback(writebacks)
     return [batch for batch, _ in built]
+
+
+def _claim_others(optimizer, plan, planner: Planner, cache: BatchCache, names, claims) -> None:
+    """Adds to `claims` the parameters outside the plan that have state and may step (those
+    requiring gradients), with their gradients and state, each checked as check_states
+    does: the ordinary step would claim them beside the plan's."""
+    planned = {id(p) for item in plan for p in item.params}
+    for group in optimizer.param_groups:
+        others = [p for p in group["params"] if id(p) not in planned and p.requires_grad
+                  and optimizer.state.get(p)]
+        if others:
+            cache.check_states(optimizer, group, others, planner.buffer_names(names, group),
+                               claims)
 
 
 def refusal_explained(optimizer, item, planner: Planner, cache: BatchCache, names) -> bool:

@@ -282,3 +282,31 @@ def test_hyper_parameters_set_before_backward_are_neither_refused_nor_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train(model, opt, _batches(4), scheduler)
+
+
+@pytest.mark.parametrize("name, key", [("PNM", "pos_momentum"), ("AdaPNM", "exp_avg_sq")])
+@pytest.mark.parametrize("taker", [0, 4], ids=["stepped-last-takes", "stepped-first-takes"])
+def test_state_shared_between_parameters_of_different_buckets_is_refused_nothing_stepped(
+        name, key, taker):
+    """One parameter's state buffer put into another's entry after steps: the ordinary step
+    refuses it naming both; so does the step inside backward, though each bucket steps
+    alone, at the pass's first bucket (the state's change is seen), before any moved."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8),
+                                torch.nn.GELU(), torch.nn.Linear(8, 8))
+    params = list(model.parameters())  # weights 0, 2, 4: backward reaches 4 first
+    opt = {"PNM": PNM, "AdaPNM": AdaPNM}[name](params, lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)  # a bucket a parameter
+    batches = torch.randn(5, 3, 8, generator=torch.Generator().manual_seed(1))
+    _train(model, opt, batches[:3])
+    giver = 4 - taker
+    opt.state[params[taker]][key] = opt.state[params[giver]][key]
+    before = [p.detach().clone() for p in params]
+    both = rf"params'\]\[[{taker}{giver}]\]"  # named in the order the check met them
+    with pytest.raises(RuntimeError, match=rf"{both}.*state '{key}' is the very tensor of "
+                                           rf".*{both}.*state '{key}'"):
+        _train(model, opt, batches[3:4])
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    opt.state[params[taker]][key] = opt.state[params[giver]][key].clone()  # mended: steps on
+    _train(model, opt, batches[4:])
+    assert not all(torch.equal(p, b) for p, b in zip(params, before))
