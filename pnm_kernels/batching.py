@@ -32,9 +32,10 @@ class BatchCache:
         self.watch = StateWatch()
         self._entries: dict = {}
         self.drops = 0  # how many times every cached list was forgotten
-        # The state's version when a bucket's memory was last checked against all the
-        # optimizer's state (plan.run): the buckets after it build lists of state made since.
-        self.whole_checked: object = None
+        # The state's version and the parameters (id: memory) last checked together (their
+        # memory and state, plan.run): a batch built of these alone, the state unchanged,
+        # cannot share memory with the batches reused beside it.
+        self._claimed: tuple = (None, {})
 
     def version(self, optimizer):
         return self.watch.version(optimizer)
@@ -153,6 +154,17 @@ class BatchCache:
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, names)
 
+    def claimed_together(self, optimizer, params) -> bool:
+        """Whether these parameters were checked with all the others (note_claimed) in the
+        memory they have now, the state unchanged since."""
+        version, known = self._claimed
+        return version == self.version(optimizer) and all(
+            known.get(id(p)) == _memory_of(p) for p in params)
+
+    def note_claimed(self, optimizer, params) -> None:
+        """These parameters' memory and state were checked together, replacing the last."""
+        self._claimed = (self.version(optimizer), {id(p): _memory_of(p) for p in params})
+
     def check_memory(self, optimizer, claims: MemoryClaims) -> None:
         """Raises, naming both, where two tensors of `claims` share memory."""
         try:
@@ -255,6 +267,10 @@ def _describe(optimizer, group, p) -> str:
 def _describe_anywhere(optimizer, p) -> str:
     group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
     return _describe(optimizer, group, p)
+
+
+def _memory_of(p) -> int:
+    return local(p).data_ptr()
 
 
 def _local_or_none(t):

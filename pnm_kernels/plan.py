@@ -229,8 +229,8 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         bucket: bool = False):
     """Runs every item of the plan; returns the batches it ran. Every batch is built (and
     checked) before any runs: a step that raises has not touched a parameter. A bucket
-    (some of the parameters, stepped inside backward) has its memory checked against the
-    state of all the others too, once a state changed: they step in other buckets."""
+    (some of the parameters, stepped inside backward) steps beside all the others, which
+    step in other buckets."""
     for item in plan:
         check_capturable(item.backend, item.params[0].device)
     item_names = [planner.buffer_names(names, item.group) for item in plan]
@@ -245,10 +245,19 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
             cache.check_states(optimizer, item.group, item.params, n, claims)
-    if bucket and None in reused and cache.whole_checked != cache.version(optimizer):
-        _claim_others(optimizer, plan, planner, cache, names, claims)
-        cache.whole_checked = cache.version(optimizer)
+    built_params = [p for item, batch in zip(plan, reused) if batch is None for p in item.params]
+    together = not built_params or cache.claimed_together(optimizer, built_params)
+    if not together:
+        # A parameter new to the step (a group added, a parameter given other memory) or a
+        # changed state: the reused batches, and a bucket's other parameters, are checked
+        # beside the built ones, as when all were built.
+        for item, n, batch in zip(plan, item_names, reused):
+            if batch is not None:
+                cache.check_states(optimizer, item.group, item.params, n, claims)
+        others = _claim_others(optimizer, plan, planner, cache, names, claims) if bucket else []
     cache.check_memory(optimizer, claims)
+    if not together:
+        cache.note_claimed(optimizer, [p for item in plan for p in item.params] + others)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
     on_device = {}
@@ -262,17 +271,19 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     return [batch for batch, _ in built]
 
 
-def _claim_others(optimizer, plan, planner: Planner, cache: BatchCache, names, claims) -> None:
-    """Adds to `claims` the parameters outside the plan that have state and may step (those
-    requiring gradients), with their gradients and state, each checked as check_states
-    does: the ordinary step would claim them beside the plan's."""
+def _claim_others(optimizer, plan, planner: Planner, cache: BatchCache, names, claims) -> list:
+    """Adds to `claims` the parameters outside the plan that may step (those requiring
+    gradients), with their gradients and state, each checked as check_states does: the
+    ordinary step would claim them beside the plan's. Returns them."""
     planned = {id(p) for item in plan for p in item.params}
+    claimed = []
     for group in optimizer.param_groups:
-        others = [p for p in group["params"] if id(p) not in planned and p.requires_grad
-                  and optimizer.state.get(p)]
+        others = [p for p in group["params"] if id(p) not in planned and p.requires_grad]
         if others:
             cache.check_states(optimizer, group, others, planner.buffer_names(names, group),
                                claims)
+            claimed += others
+    return claimed
 
 
 def refusal_explained(optimizer, item, planner: Planner, cache: BatchCache, names) -> bool:

@@ -265,6 +265,53 @@ def test_memory_shared_across_batches_by_new_data_is_refused_before_any_change(p
     _assert_step_refused_untouched(opt, params, match)
 
 
+def _add_by(how, opt, new):
+    if how == "add_param_group":
+        opt.add_param_group(dict(params=[new]))
+    elif how == "appended to a group's list":
+        opt.param_groups[1]["params"].append(new)
+    else:  # "group appended by hand"
+        opt.param_groups.append({**opt.param_groups[1], "params": [new]})
+
+
+@pytest.mark.parametrize("overlaps", ["parameter", "buffer"])
+@pytest.mark.parametrize("how", ["add_param_group", "appended to a group's list",
+                                 "group appended by hand"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_parameter_new_to_the_step_sharing_a_stepped_batchs_memory_is_refused(path, name,
+                                                                               how, overlaps):
+    """A parameter added after steps whose memory is a row of a parameter (or a state
+    buffer) of a batch held since: the held batch is checked again with the new one, as
+    when both were built together."""
+    params = make_params([(3, 8), (2, 8)])
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], backend=path)
+    train(opt, params, 2)
+    key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    new = torch.nn.Parameter(torch.zeros(1, 8, device=DEVICE))
+    new.data = (params[0] if overlaps == "parameter" else opt.state[params[0]][key]).data[:1]
+    _add_by(how, opt, new)
+    if overlaps == "parameter":  # the two named in the order the check met them
+        match = (r"shape \((1|3), 8\)[^:]* shares memory with param_groups\[\d\]\['params'\]"
+                 r"\[\d\] \(shape \((3|1), 8\)")
+    else:
+        match = (rf"param_groups\[0\]\['params'\]\[0\][^:]*: its state '{key}' shares memory "
+                 r"with param_groups\[\d\]\['params'\]\[\d\] \(shape \(1, 8\)")
+    _assert_step_refused_untouched(opt, params + [new], match)
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_parameter_of_a_batch_never_held_given_a_held_batchs_memory_is_refused(path, name):
+    """A foreach group's lists are built every step (never held), the other group's held:
+    the foreach parameter given the other's memory (`.data =`) is checked against it."""
+    params = make_params([(8,), (8,)])
+    opt = OPTIMIZERS[name]([dict(params=params[:1]),
+                            dict(params=params[1:], backend="foreach")], backend=path)
+    train(opt, params, 3)
+    params[1].data = params[0].data
+    _assert_step_refused_untouched(
+        opt, params, r"param_groups\[\d\]\['params'\]\[0\].* shares memory with param_groups")
+
+
 # Parameters whose own elements share memory: made so, or given such data after some steps.
 SELF_OVERLAPPING = {
     "expanded": lambda: torch.zeros(1, device=DEVICE).expand(6),
