@@ -158,12 +158,15 @@ class BatchCache:
         """Whether these parameters were checked with all the others (note_claimed) in the
         memory they have now, the state unchanged since."""
         version, known = self._claimed
+        state = optimizer.state
         return version == self.version(optimizer) and all(
-            known.get(id(p)) == _memory_of(p) for p in params)
+            known.get(id(p)) == _memory_of(p, state) for p in params)
 
     def note_claimed(self, optimizer, params) -> None:
         """These parameters' memory and state were checked together, replacing the last."""
-        self._claimed = (self.version(optimizer), {id(p): _memory_of(p) for p in params})
+        state = optimizer.state
+        self._claimed = (self.version(optimizer),
+                         {id(p): _memory_of(p, state) for p in params})
 
     def check_memory(self, optimizer, claims: MemoryClaims) -> None:
         """Raises, naming both, where two tensors of `claims` share memory."""
@@ -269,8 +272,12 @@ def _describe_anywhere(optimizer, p) -> str:
     return _describe(optimizer, group, p)
 
 
-def _memory_of(p) -> int:
-    return local(p).data_ptr()
+def _memory_of(p, state) -> tuple:
+    """Where p and its state tensors are (a batch never held is built each step, and any of
+    them may have been given other memory, `.data =`, which no version counts)."""
+    entry = state.get(p) or {}
+    return local(p).data_ptr(), tuple(local(v).data_ptr() for v in entry.values()
+                                      if isinstance(v, torch.Tensor))
 
 
 def _local_or_none(t):

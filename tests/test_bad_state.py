@@ -299,17 +299,24 @@ def test_a_parameter_new_to_the_step_sharing_a_stepped_batchs_memory_is_refused(
     _assert_step_refused_untouched(opt, params + [new], match)
 
 
+@pytest.mark.parametrize("edit", ["parameter", "buffer"])
 @cases.parametrize(FAST_PATHS + ["reference"])
-def test_a_parameter_of_a_batch_never_held_given_a_held_batchs_memory_is_refused(path, name):
+def test_a_batch_never_held_given_a_held_batchs_memory_is_refused(path, name, edit):
     """A foreach group's lists are built every step (never held), the other group's held:
-    the foreach parameter given the other's memory (`.data =`) is checked against it."""
+    the foreach parameter, or its buffer, given the other's memory (`.data =`, which no
+    version counts) is checked against it."""
     params = make_params([(8,), (8,)])
     opt = OPTIMIZERS[name]([dict(params=params[:1]),
                             dict(params=params[1:], backend="foreach")], backend=path)
     train(opt, params, 3)
-    params[1].data = params[0].data
-    _assert_step_refused_untouched(
-        opt, params, r"param_groups\[\d\]\['params'\]\[0\].* shares memory with param_groups")
+    key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    if edit == "buffer":
+        opt.state[params[1]][key].data = opt.state[params[0]][key]
+        match = rf"params'\]\[0\].* state '{key}' shares memory with param_groups\[\d\]"
+    else:
+        params[1].data = params[0].data
+        match = r"param_groups\[\d\]\['params'\]\[0\].* shares memory with param_groups"
+    _assert_step_refused_untouched(opt, params, match)
 
 
 # Parameters whose own elements share memory: made so, or given such data after some steps.
