@@ -209,7 +209,7 @@ void run_int8_step(const StepCall& call, const StepArgs& args) {
     w.offset = call.offsets[i];
     w.seed = static_cast<uint32_t>(*static_cast<const int64_t*>(call.seeds[i].data_ptr()));
     w.step = static_cast<uint32_t>(static_cast<uint64_t>(step));
-    w.row_length = param.numel() / param.size(0);
+    w.row_length = int8_row_length(param);
     w.blocks_per_row = (w.row_length + kBlock - 1) / kBlock;
     first_block[i + 1] = first_block[i] + param.size(0) * w.blocks_per_row;
   }

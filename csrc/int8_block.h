@@ -236,7 +236,7 @@ std::vector<Int8Table<kLists>> plan_int8_launches(const StepCall& call, const Ga
   std::vector<float*> scales(static_cast<size_t>(n) * buffers);
   for (int i = 0; i < n; ++i) {
     const at::Tensor& p = call.lists[0][i];
-    row_lengths[i] = p.numel() / p.size(0);
+    row_lengths[i] = int8_row_length(p);
     blocks[i] = p.size(0) * ((row_lengths[i] + kInt8Block - 1) / kInt8Block);
     for (int b = 0; b < buffers; ++b) {
       scales[i * buffers + b] = static_cast<float*>(call.scales[b * n + i].data_ptr());

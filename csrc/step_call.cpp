@@ -55,12 +55,12 @@ void check_int8_call(const StepCall& call, const char* const* names) {
               " params with int8 state (", n, " of each wanted)");
   for (size_t i = 0; i < n; ++i) {
     const at::Tensor& p = call.lists[0][i];
-    TORCH_CHECK(p.dim() >= 2 && p.size(0) > 0 && p.is_contiguous() &&
-                    p.numel() / p.size(0) >= kInt8Block,
+    // (A shard may hold no rows: FSDP2's of a parameter with fewer rows than ranks.)
+    TORCH_CHECK(p.dim() >= 2 && p.is_contiguous() && int8_row_length(p) >= kInt8Block,
                 "pnm_kernels: params[", i, "] (shape ", p.sizes(),
                 ") cannot keep int8 state: it needs a contiguous tensor of at least two "
                 "dimensions whose rows hold ", kInt8Block, " elements or more");
-    const int64_t rows = p.size(0), length = p.numel() / rows;
+    const int64_t rows = p.size(0), length = int8_row_length(p);
     const int64_t blocks = (length + kInt8Block - 1) / kInt8Block;
     for (size_t l = 2; l < static_cast<size_t>(call.num_lists); ++l) {
       const at::Tensor& codes = call.lists[l][i];

@@ -55,6 +55,14 @@ struct Memory {
   }
 };
 
+// The length of an int8-state parameter's rows (its dim-0 slices): from its shape, not
+// numel / rows, as an FSDP2 shard of a parameter with fewer rows than ranks holds none.
+inline int64_t int8_row_length(const at::Tensor& p) {
+  int64_t length = 1;
+  for (int64_t d = 1; d < p.dim(); ++d) length *= p.size(d);
+  return length;
+}
+
 inline Memory memory_of(const at::Tensor& t) {
   if (!t.defined()) return {nullptr, 0};
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();

@@ -77,13 +77,19 @@ def _row_length_of(x: torch.Tensor) -> int:
     return math.prod(x.shape[1:])  # a shard may hold no rows
 
 
+def _as_rows(x: torch.Tensor, length: int) -> torch.Tensor:
+    """x (a parameter's shape) as (rows, length); a shard may hold no rows (FSDP2's of a
+    parameter with fewer rows than ranks), which a -1 in the shape cannot say."""
+    return x.reshape(x.shape[0], length)
+
+
 def _blocks(x: torch.Tensor, length: int) -> torch.Tensor:
     """x (rows of `length`) as (rows, blocks, BLOCK), zero-padded at row ends."""
-    rows = x.reshape(-1, length)
+    rows = _as_rows(x, length)
     pad = blocks_per_row(length) * BLOCK - length
     if pad:
         rows = torch.nn.functional.pad(rows, (0, pad))
-    return rows.reshape(rows.shape[0], -1, BLOCK)
+    return rows.reshape(rows.shape[0], blocks_per_row(length), BLOCK)
 
 
 def _per_element(scales: torch.Tensor, length: int) -> torch.Tensor:
@@ -106,7 +112,7 @@ def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch
     """The float32 values of a buffer's codes (shaped like them)."""
     cmax, power = _code_max_and_power(signed)
     length = _row_length_of(codes)
-    c = codes.contiguous().reshape(-1, length).to(torch.int32)
+    c = _as_rows(codes.contiguous(), length).to(torch.int32)
     value = _magnitude(c.abs(), cmax, power) * _per_element(scales, length)
     if signed:
         value = torch.where(c < 0, -value, value)
@@ -119,7 +125,7 @@ def quantize(x: torch.Tensor, bits, signed: bool):
     number: NEAREST_BITS rounds to nearest); see the module's docstring."""
     cmax, power = _code_max_and_power(signed)
     length = _row_length_of(x)
-    rows = x.float().contiguous().reshape(-1, length)
+    rows = _as_rows(x.float().contiguous(), length)
     magnitude = rows.abs()
     block_scales = _blocks(magnitude, length).amax(dim=-1)
     finite = torch.isfinite(block_scales)
@@ -135,7 +141,7 @@ def quantize(x: torch.Tensor, bits, signed: bool):
     low = torch.where(torch.isnan(low), torch.zeros_like(low), low)
     below, above = _magnitude(low, cmax, power), _magnitude(low + 1, cmax, power)
     if torch.is_tensor(bits):
-        bits = bits.reshape(-1, length)
+        bits = _as_rows(bits, length)
     # Up with probability (a - below) / (above - below), compared without the division:
     # u (above - below) < a - below. False where a is NaN.
     up = (bits * (1.0 / 65536)) * (above - below) < a - below

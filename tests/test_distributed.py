@@ -37,10 +37,20 @@ def _data():
     return torch.randn(STEPS, 8, 128, generator=gen), torch.randn(STEPS, 8, 4, generator=gen)
 
 
-def _model():
+class _Tiled(torch.nn.Module):
+    def forward(self, x):
+        return x.expand(*x.shape[:-1], 4)
+
+
+def _model(state_dtype=None):
     """31 hidden units: FSDP2 shards them unevenly over two ranks (16 and 15 rows, the
-    second shard padded). 128 inputs: the first weight's rows are one int8 block each."""
+    second shard padded). 128 inputs: the first weight's rows are one int8 block each. With
+    int8 state a weight of one row of one block too, whose shard on rank 1 holds no rows."""
     torch.manual_seed(0)
+    if state_dtype == torch.int8:
+        return torch.nn.Sequential(torch.nn.Linear(128, 31), torch.nn.Tanh(),
+                                   torch.nn.Linear(31, 128), torch.nn.Tanh(),
+                                   torch.nn.Linear(128, 1), _Tiled())
     return torch.nn.Sequential(torch.nn.Linear(128, 31), torch.nn.Tanh(), torch.nn.Linear(31, 4))
 
 
@@ -74,7 +84,7 @@ def _state_dtype(mode):
 
 
 def _single_process(name, state_dtype=None):
-    model = _model()
+    model = _model(state_dtype)
     opt = _make_opt(name, model.parameters(), state_dtype=state_dtype)
     _train(model, opt, *_data(), range(STEPS))
     return [p.detach() for p in model.parameters()]
@@ -97,7 +107,7 @@ def _worker(rank, mode, name, workdir, port):
                             rank=rank, world_size=WORLD)
     try:
         xs, ys = (t.to(device) for t in _data())
-        model = _model().to(device)
+        model = _model(_state_dtype(mode)).to(device)
         if mode.startswith("ddp"):
             model = torch.nn.parallel.DistributedDataParallel(
                 model, device_ids=[rank] if nccl else None)
@@ -185,7 +195,7 @@ def _checkpoint_round_trip(model, opt, name, workdir, state_dtype=None):
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
     model_sd, optim_sd = get_state_dict(model, opt)
     dcp.save({"model": model_sd, "optim": optim_sd}, checkpoint_id=f"{workdir}/ckpt")
-    fresh = _model()
+    fresh = _model(state_dtype)
     _shard(fresh)
     fresh_opt = _make_opt(name, fresh.parameters(), state_dtype=state_dtype)
     model_sd, optim_sd = get_state_dict(fresh, fresh_opt)
@@ -229,7 +239,7 @@ def _resumed_in_one_process(name, state_dtype, workdir):
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
-    model = _model()
+    model = _model(state_dtype)
     opt = _make_opt(name, model.parameters(), state_dtype=state_dtype)
     model_sd, optim_sd = get_state_dict(model, opt)
     loaded = {"model": model_sd, "optim": optim_sd}
