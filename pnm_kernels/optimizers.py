@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import plan as planning
-from . import traced
+from . import saved_codes, traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
 from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
@@ -39,6 +39,7 @@ class _PositiveNegativeMomentum(Optimizer):
         self.state = OptimizerState()
         self._new_step_paths()
         self.register_state_dict_post_hook(plain_state_entries, prepend=True)
+        self.register_state_dict_post_hook(saved_codes.mark, prepend=True)
 
     def _new_step_paths(self) -> None:
         """What the step keeps between steps, each part owning its cache: the planner (each
@@ -75,6 +76,8 @@ class _PositiveNegativeMomentum(Optimizer):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
         _refuse_foreign_state(state_dict, self._buffer_names, self._keys, type(self).__name__)
+        state_dict = {**state_dict, "param_groups": saved_codes.refuse_codes_read_as_values(
+            state_dict, self.param_groups)}
         saved = _saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its

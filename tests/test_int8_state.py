@@ -5,11 +5,13 @@ lie within dim-0 rows, so sharded parameters quantise as whole ones; the state t
 plain state_dict, converts to and from other state dtypes, and what does not fit is refused
 naming it before anything is touched. (Training as well as float32 state, the drift test and
 dim-0 shards: tests/test_state_dtype.py, over both compressed dtypes.)"""
+import copy
+
 import pytest
 import torch
 
 from cases import INT8_PATHS, OPTIMIZERS, parametrize
-from conftest import assert_close_codes, assert_same_bits, round_trip
+from conftest import assert_close_codes, assert_same_bits, assert_same_entry, round_trip
 from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
 from pnm_kernels.backends import resolve_backend
 from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
@@ -215,6 +217,60 @@ def test_a_float32_checkpoint_loads_into_int8_state_and_back(name):
     _run(plain, back, 1, first=5)
     assert plain.state[back[0]][key].dtype == torch.float32
     assert scale_name(key) not in plain.state[back[0]]
+
+
+def _module_of(params):
+    module = torch.nn.Module()
+    for i, p in enumerate(params):
+        module.register_parameter(f"p{i}", p)
+    return module
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(name, tmp_path):
+    """torch.distributed.checkpoint loads into the keys and dtypes of the loading optimizer's
+    state_dict: codes read through float32 state come as floats (127.0), their scales left
+    out. Refused naming the entry, nothing loaded; read through int8 state and switched to
+    float32, they convert as load_state_dict converts them."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+
+    def through_dcp(state_dtype):
+        params = _params(torch.float32, seed=1)
+        model = _module_of(params)
+        opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=state_dtype)
+        _run(opt, params, 1)  # state to load into, as get_state_dict would make it
+        template = {"optim": get_optimizer_state_dict(model, opt)}
+        dcp.load(template, checkpoint_id=str(tmp_path))
+        return model, opt, params, template["optim"]
+
+    params = _params(torch.float32)
+    opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 4)
+    dcp.save({"optim": get_optimizer_state_dict(_module_of(params), opt)},
+             checkpoint_id=str(tmp_path))
+    model, into, into_params, loaded = through_dcp(None)
+    before = [(p.detach().clone(), copy.deepcopy(dict(into.state[p]))) for p in into_params]
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\['p0'\]\['\w+'\] is "
+                                         r"torch.float32 without int8 codes' scales, yet "
+                                         r"param_groups\[0\] was saved holding int8 codes"):
+        set_optimizer_state_dict(model, into, loaded)
+    for p, (value, entry) in zip(into_params, before):
+        assert torch.equal(p, value)
+        assert_same_entry(into.state[p], entry)
+    model, into, into_params, loaded = through_dcp(torch.int8)
+    set_optimizer_state_dict(model, into, loaded)
+    into.param_groups[0]["state_dtype"] = None
+    expected_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    expected = OPTIMIZERS[name](expected_params, lr=1e-2)
+    expected.load_state_dict(round_trip(opt.state_dict()))
+    for p, q in zip(into_params, params):
+        p.data.copy_(q)
+    _run(into, into_params, 1, first=4)
+    _run(expected, expected_params, 1, first=4)
+    assert_same_bits(into, into_params, expected, expected_params)
 
 
 def test_conversion_rounds_each_value_to_a_neighbouring_code():
