@@ -5,6 +5,7 @@ docs/design.md §5), so a change made from outside — a moment reset by hand, a
 counter, a whole state put back — must be seen, and the next step reads the state again, as
 torch's optimizers, which read it every step, would. The optimizers' own writes (put) are
 not counted: the lists built before stay valid."""
+import math
 import numbers
 import sys
 from collections import defaultdict
@@ -219,7 +220,11 @@ def check_state(state: dict, p, names) -> None:
         return
     for key in ("step", "seed"):
         value = entry.get(key)
-        if value is None or is_one_number(value):
+        if value is None:
+            continue
+        if is_one_number(value):
+            if key == "step":
+                _check_count(value)
             continue
         if torch.is_tensor(value) and value.numel() != 1:
             raise StateValueError(key, f"has {value.numel()} elements, not one")
@@ -228,6 +233,18 @@ def check_state(state: dict, p, names) -> None:
     for name in names:
         if entry.get(name) is not None:
             _check_buffer(entry, name, p)
+
+
+def _check_count(step) -> None:
+    """A counter a step can advance: a whole number of steps, not negative (at -1 the next
+    step divides by a bias correction of 0; at 2.5 the kernels' bias corrections use 3.5,
+    the reference's 3). One on a device is not read back: that would synchronise."""
+    if torch.is_tensor(step):
+        if step.device.type != "cpu":
+            return
+        step = step.item()
+    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+        raise StateValueError("step", f"is {step!r}, not a whole number of steps >= 0")
 
 
 def is_one_number(value) -> bool:

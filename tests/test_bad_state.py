@@ -105,6 +105,10 @@ BAD_STATE_VALUES = {
                                 r"'{m}_scale' is on \S+, its codes on meta"),
     "a bool step": (lambda st, m: st.__setitem__("step", torch.tensor(True)),
                     r"'step' is a tensor of torch.bool, not a real number"),
+    "a negative step": (lambda st, m: st.__setitem__("step", -1),
+                        r"'step' is -1.0, not a whole number of steps >= 0"),
+    "a fractional step": (lambda st, m: st.__setitem__("step", torch.tensor(2.5)),
+                          r"'step' is 2.5, not a whole number of steps >= 0"),
 }
 
 
