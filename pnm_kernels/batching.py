@@ -19,7 +19,8 @@ from .params import (describe, element_offset, holdable, kernel_batch, local, sh
                      shard_of)
 from .quantization import scale_name
 from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateValueError,
-                    StateWatch, check_state, claim_state, count_replacement, ensure_state)
+                    StateWatch, check_state, claim_state, count_replacement, ensure_state,
+                    keys_read)
 
 _MAX_ENTRIES = 64
 
@@ -154,19 +155,22 @@ class BatchCache:
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, names)
 
-    def claimed_together(self, optimizer, params) -> bool:
-        """Whether these parameters were checked with all the others (note_claimed) in the
-        memory they have now, the state unchanged since."""
+    def claimed_together(self, optimizer, built, reused, names) -> bool:
+        """Whether the parameters of the batches to build were checked together with those
+        of the reused ones (note_claimed), in the memory they have now, the state unchanged
+        since (the reused ones' memory is confirmed by their held lists)."""
         version, known = self._claimed
+        if version != self.version(optimizer):
+            return False
         state = optimizer.state
-        return version == self.version(optimizer) and all(
-            known.get(id(p)) == _memory_of(p, state) for p in params)
+        return (all(known.get(id(p)) == _memory_of(p, state, names) for p in built)
+                and all(id(p) in known for p in reused))
 
-    def note_claimed(self, optimizer, params) -> None:
+    def note_claimed(self, optimizer, params, names) -> None:
         """These parameters' memory and state were checked together, replacing the last."""
         state = optimizer.state
         self._claimed = (self.version(optimizer),
-                         {id(p): _memory_of(p, state) for p in params})
+                         {id(p): _memory_of(p, state, names) for p in params})
 
     def check_memory(self, optimizer, claims: MemoryClaims) -> None:
         """Raises, naming both, where two tensors of `claims` share memory."""
@@ -272,12 +276,19 @@ def _describe_anywhere(optimizer, p) -> str:
     return _describe(optimizer, group, p)
 
 
-def _memory_of(p, state) -> tuple:
-    """Where p and its state tensors are (a batch never held is built each step, and any of
-    them may have been given other memory, `.data =`, which no version counts)."""
+def _memory_of(p, state, names) -> tuple:
+    """Where p and the state tensors a step reads are, and how laid out (a batch never held
+    is built each step, and any of them may have been given other memory, `.data =`, which
+    no version counts)."""
     entry = state.get(p) or {}
-    return local(p).data_ptr(), tuple(local(v).data_ptr() for v in entry.values()
-                                      if isinstance(v, torch.Tensor))
+    return tuple(_span_of(t) for t in (p, *map(entry.get, keys_read(names))))
+
+
+def _span_of(t):
+    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+        return None
+    t = local(t)
+    return t.data_ptr(), tuple(t.shape), t.stride()
 
 
 def _local_or_none(t):

@@ -8,14 +8,14 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .aliasing import MemoryClaims
+from .aliasing import GRADIENT, PARAMETER, MemoryClaims
 from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
 from .hyper import (Hyper, check_state_dtype, signature, steps_in_float32, validate_group,
                     validate_lr)
 from .params import check_param, check_param_list, check_unique, describe, shards_match
-from .state import is_plain
+from .state import claim_state, is_plain
 
 _MAX_GROUPINGS = 64
 
@@ -246,20 +246,22 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         if batch is None:  # what building it would refuse, before any state is converted
             cache.check_states(optimizer, item.group, item.params, n, claims)
     built_params = [p for item, batch in zip(plan, reused) if batch is None for p in item.params]
-    together = not built_params or cache.claimed_together(optimizer, built_params)
+    together = not built_params or cache.claimed_together(
+        optimizer, built_params, [p for item, batch in zip(plan, reused) if batch is not None
+                                  for p in item.params], names)
     if not together:
-        # A parameter new to the step (a group added, a parameter given other memory) or a
-        # changed state: the reused batches, and a bucket's other parameters, are checked
-        # beside the built ones, as when all were built.
+        # A parameter new to the step (a group added, a parameter given other memory, one
+        # not checked with the reused ones) or a changed state: the reused batches, and a
+        # bucket's other parameters, are checked beside the built ones, as when all were.
         for item, n, batch in zip(plan, item_names, reused):
             if batch is not None:
                 cache.check_states(optimizer, item.group, item.params, n, claims)
-        others = _claim_others(optimizer, plan, planner, cache, names, claims) if bucket else []
+        others = _claim_others(optimizer, plan, planner, names, claims) if bucket else []
     cache.check_memory(optimizer, claims)
-    if not together:
-        cache.note_claimed(optimizer, [p for item in plan for p in item.params] + others)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
+    if not together:  # noted with the state the builds made
+        cache.note_claimed(optimizer, [p for item in plan for p in item.params] + others, names)
     on_device = {}
     for item, (batch, writebacks) in zip(plan, built):
         device = batch.params[0].device
@@ -271,18 +273,20 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     return [batch for batch, _ in built]
 
 
-def _claim_others(optimizer, plan, planner: Planner, cache: BatchCache, names, claims) -> list:
-    """Adds to `claims` the parameters outside the plan that may step (those requiring
-    gradients), with their gradients and state, each checked as check_states does: the
-    ordinary step would claim them beside the plan's. Returns them."""
+def _claim_others(optimizer, plan, planner: Planner, names, claims) -> list:
+    """Adds to `claims` the memory of the parameters outside the plan that may step (those
+    requiring gradients: in other buckets), their gradients' and their state's; their state
+    is checked when their own bucket is built. Returns them."""
     planned = {id(p) for item in plan for p in item.params}
     claimed = []
     for group in optimizer.param_groups:
-        others = [p for p in group["params"] if id(p) not in planned and p.requires_grad]
-        if others:
-            cache.check_states(optimizer, group, others, planner.buffer_names(names, group),
-                               claims)
-            claimed += others
+        group_names = planner.buffer_names(names, group)
+        for p in group["params"]:
+            if id(p) not in planned and p.requires_grad:
+                claims.add(p, p, PARAMETER)
+                claims.add(p.grad, p, GRADIENT)
+                claim_state(optimizer.state, p, claims, group_names)
+                claimed.append(p)
     return claimed
 
 

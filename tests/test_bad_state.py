@@ -303,16 +303,20 @@ def test_a_parameter_new_to_the_step_sharing_a_stepped_batchs_memory_is_refused(
     _assert_step_refused_untouched(opt, params + [new], match)
 
 
+@pytest.mark.parametrize("first", ["with the other", "alone"])
 @pytest.mark.parametrize("edit", ["parameter", "buffer"])
 @cases.parametrize(FAST_PATHS + ["reference"])
-def test_a_batch_never_held_given_a_held_batchs_memory_is_refused(path, name, edit):
+def test_a_batch_never_held_given_a_held_batchs_memory_is_refused(path, name, edit, first):
     """A foreach group's lists are built every step (never held), the other group's held:
     the foreach parameter, or its buffer, given the other's memory (`.data =`, which no
-    version counts) is checked against it."""
+    version counts) is checked against it, also where it first steps alone after the edit
+    (then checked alone) and the two step together after."""
     params = make_params([(8,), (8,)])
     opt = OPTIMIZERS[name]([dict(params=params[:1]),
                             dict(params=params[1:], backend="foreach")], backend=path)
     train(opt, params, 3)
+    if first == "alone":
+        train(opt, params[1:], 1, start=3)
     key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
     if edit == "buffer":
         opt.state[params[1]][key].data = opt.state[params[0]][key]

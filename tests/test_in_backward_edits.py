@@ -310,3 +310,33 @@ def test_state_shared_between_parameters_of_different_buckets_is_refused_nothing
     opt.state[params[taker]][key] = opt.state[params[giver]][key].clone()  # mended: steps on
     _train(model, opt, batches[4:])
     assert not all(torch.equal(p, b) for p, b in zip(params, before))
+
+
+def _unused_layer_given_another_shape(in_backward):
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)
+    params = [*used.parameters(), *unused.parameters()]
+    opt = PNM(params, lr=1e-2)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)
+    gen = torch.Generator().manual_seed(3)
+    for t in range(5):
+        if t == 2:  # the unused layer's weight given another shape; a counted state change
+            unused.weight.data = torch.randn(4, 8, generator=gen)
+            opt.state[used.bias]["pos_momentum"] = opt.state[used.bias]["pos_momentum"].clone()
+        x = torch.randn(3, 8, generator=gen)
+        y = unused(used(x)) if t < 2 else used(x)
+        opt.zero_grad()
+        y.pow(2).mean().backward()
+        opt.step()
+    return params
+
+
+def test_state_of_a_parameter_no_longer_reached_is_not_checked_by_the_buckets():
+    """As the ordinary step, which checks the state of the parameters it steps: a layer the
+    loss stopped reaching, its weight given data its state no longer fits, trains on; the
+    buckets check the memory of every parameter that may step in another bucket, not their
+    state."""
+    for p, q in zip(_unused_layer_given_another_shape(False),
+                    _unused_layer_given_another_shape(True)):
+        assert torch.equal(p, q)

@@ -139,6 +139,23 @@ def test_loading_another_optimizers_state_dict_raises_before_changing_anything(c
     train(opt, params, 1, start=2)
 
 
+@cases.parametrize(FAST_PATHS)
+def test_a_users_own_key_may_hold_a_tensor_without_storage(path, name):
+    """A sparse tensor beside the buffers (only the keys a step reads are checked or
+    located) steps as without it."""
+    params = make_params([(8, 8)])
+    ref_params = clone_params(params)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    ref = OPTIMIZERS[name](ref_params, lr=1e-2, backend=path)
+    train(opt, params, 1)
+    train(ref, ref_params, 1)
+    opt.state[params[0]]["my_mask"] = torch.eye(8).to_sparse()
+    train(opt, params, 3, start=1)
+    train(ref, ref_params, 3, start=1)
+    for p, q in zip(params, ref_params):
+        assert torch.equal(p, q)
+
+
 def test_keys_of_the_users_own_beside_the_buffers_load_and_stay():
     """As torch's optimizers keep them; one may even hold a buffer's own tensor."""
     params = make_params([(4,)])
