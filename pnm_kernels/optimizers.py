@@ -77,7 +77,7 @@ class _PositiveNegativeMomentum(Optimizer):
                            f"state_dict['param_groups'][{gi}]")
         _refuse_foreign_state(state_dict, self._buffer_names, self._keys, type(self).__name__)
         state_dict = {**state_dict, "param_groups": saved_codes.refuse_codes_read_as_values(
-            state_dict, self.param_groups)}
+            state_dict)}
         saved = _saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its

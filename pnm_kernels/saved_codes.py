@@ -3,53 +3,45 @@
 `torch.distributed.checkpoint` loads a checkpoint into the keys and dtypes of the state_dict it
 is given, the loading optimizer's: a checkpoint of int8 state read through the state_dict of
 an optimizer with float state fills its float buffers with the codes cast to floats (127.0)
-and drops the scales, and the next step would take them for momenta. Each saved group says
-whether its int8-state parameters' entries hold codes (a group key, which DCP loads from the
-checkpoint like the lr); load_state_dict refuses such a group whose entries then come as
-anything else. A group switched to int8 and saved before its next step still holds float
-state, so the group's state_dtype alone could not tell."""
+and drops the scales, and the next step would take them for momenta. Each saved group lists
+the places (in its params) of the entries that hold codes (a group key, which DCP loads from
+the checkpoint like the lr); load_state_dict refuses such an entry that then comes as floats
+without scales. Per entry: a group switched to int8 converts a parameter's state at its next
+step, so one group may hold codes and float state side by side."""
 import torch
 
-from .quantization import SIGNED, row_length, scale_name
+from .quantization import SIGNED, scale_name
 
-# The group key of state_dict(): True where the group's int8-state entries hold codes.
+# The group key of state_dict(): the places of the group's entries that hold int8 codes.
 KEY = "saved_int8_codes"
 
 
 def mark(optimizer, state_dict) -> None:
     """state_dict post-hook: each saved group's KEY."""
+    state = optimizer.state
     for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-        saved[KEY] = _holds_codes(optimizer.state, group)
+        saved[KEY] = [i for i, p in enumerate(group["params"]) if _holds_codes(state.get(p))]
 
 
-def _holds_codes(state, group) -> bool:
-    if group.get("state_dtype") is not torch.int8:
-        return False
-    entries = [state.get(p) for p in group["params"] if row_length(p.shape) is not None]
-    entries = [entry for entry in entries if entry]
-    return bool(entries) and all(_codes_with_scales(entry, name) for entry in entries
-                                 for name in entry if name in SIGNED)
+def _holds_codes(entry) -> bool:
+    return bool(entry) and any(_is_codes(entry[name]) and torch.is_tensor(entry.get(scale_name(name)))
+                               for name in entry if name in SIGNED)
 
 
-def _codes_with_scales(entry: dict, name: str) -> bool:
-    codes = entry[name]
-    return (torch.is_tensor(codes) and codes.dtype in (torch.int8, torch.uint8)
-            and torch.is_tensor(entry.get(scale_name(name))))
+def _is_codes(value) -> bool:
+    return torch.is_tensor(value) and value.dtype in (torch.int8, torch.uint8)
 
 
-def refuse_codes_read_as_values(state_dict: dict, param_groups) -> list:
-    """Raises, naming the entry, where a group saved with codes comes with an int8-state
-    entry holding floats without scales; returns the saved groups without KEY (it is
-    not a hyper-parameter)."""
+def refuse_codes_read_as_values(state_dict: dict) -> list:
+    """Raises, naming the entry, where an entry saved holding codes comes holding floats
+    without scales; returns the saved groups without KEY (it is not a hyper-parameter)."""
     state = state_dict.get("state", {})
     saved_groups = state_dict.get("param_groups", [])
-    for gi, (saved, group) in enumerate(zip(saved_groups, param_groups)):
-        if not saved.get(KEY):
-            continue
-        for index, p in zip(saved["params"], group["params"]):
+    for gi, saved in enumerate(saved_groups):
+        ids = saved.get("params", [])
+        for place in saved.get(KEY) or []:
+            index = ids[place] if isinstance(place, int) and 0 <= place < len(ids) else None
             entry = state.get(index) or {}
-            if row_length(p.shape) is None:
-                continue
             for name in [name for name in entry if name in SIGNED]:
                 value = entry[name]
                 # (Codes without scales are the step's to refuse, as in any checkpoint.)
@@ -57,12 +49,12 @@ def refuse_codes_read_as_values(state_dict: dict, param_groups) -> list:
                         and scale_name(name) not in entry):
                     raise ValueError(
                         f"state_dict['state'][{index!r}][{name!r}] is {value.dtype} without int8 "
-                        f"codes' scales, yet param_groups[{gi}] was saved holding int8 codes "
-                        "(state_dtype=torch.int8): read through the state_dict of an "
-                        "optimizer with another state_dtype? (torch.distributed.checkpoint "
-                        "loads into the keys and dtypes of the state_dict it is given.) Load "
-                        "it into an optimizer made with state_dtype=torch.int8, then set the "
-                        "groups' state_dtype (converted at the next step)")
+                        f"codes' scales, yet it was saved holding int8 codes (param_groups[{gi}]"
+                        f"['{KEY}']): read through the state_dict of an optimizer with another "
+                        "state_dtype? (torch.distributed.checkpoint loads into the keys and "
+                        "dtypes of the state_dict it is given.) Load it into an optimizer made "
+                        "with state_dtype=torch.int8, then set the groups' state_dtype "
+                        "(converted at the next step)")
     return [{k: v for k, v in saved.items() if k != KEY} for saved in saved_groups]
 
 

@@ -254,8 +254,8 @@ def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(nam
     model, into, into_params, loaded = through_dcp(None)
     before = [(p.detach().clone(), copy.deepcopy(dict(into.state[p]))) for p in into_params]
     with pytest.raises(ValueError, match=r"state_dict\['state'\]\['p0'\]\['\w+'\] is "
-                                         r"torch.float32 without int8 codes' scales, yet "
-                                         r"param_groups\[0\] was saved holding int8 codes"):
+                                         r"torch.float32 without int8 codes' scales, yet it "
+                                         r"was saved holding int8 codes"):
         set_optimizer_state_dict(model, into, loaded)
     for p, (value, entry) in zip(into_params, before):
         assert torch.equal(p, value)
@@ -271,6 +271,34 @@ def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(nam
     _run(into, into_params, 1, first=4)
     _run(expected, expected_params, 1, first=4)
     assert_same_bits(into, into_params, expected, expected_params)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_codes_of_a_group_partly_converted_are_refused_through_float_state(tmp_path):
+    """A group switched to int8 converts a parameter's state at its next step: one that had
+    no gradient since keeps float state beside the other's codes. DCP's read through float
+    state is refused for the entry holding codes."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
+                                                         set_optimizer_state_dict)
+    params = _params(torch.float32, shapes=[(4, 256), (4, 256)])
+    opt = PNM(params, lr=1e-2)
+    _run(opt, params, 2)
+    opt.param_groups[0]["state_dtype"] = torch.int8
+    params[1].grad = None
+    _run(opt, params[:1], 2, first=2)
+    assert opt.state_dict()["param_groups"][0]["saved_int8_codes"] == [0]
+    dcp.save({"optim": get_optimizer_state_dict(_module_of(params), opt)},
+             checkpoint_id=str(tmp_path))
+    into_params = _params(torch.float32, seed=1, shapes=[(4, 256), (4, 256)])
+    into = PNM(into_params, lr=1e-2)
+    _run(into, into_params, 1)
+    model = _module_of(into_params)
+    loaded = {"optim": get_optimizer_state_dict(model, into)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path))
+    with pytest.raises(ValueError, match=r"state_dict\['state'\]\['p0'\]\['pos_momentum'\] is "
+                                         r"torch.float32 without int8 codes' scales"):
+        set_optimizer_state_dict(model, into, loaded["optim"])
 
 
 def test_conversion_rounds_each_value_to_a_neighbouring_code():
