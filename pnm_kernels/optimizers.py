@@ -244,7 +244,12 @@ def _load_hooks_set_aside(optimizer):
         optimizer._optimizer_load_state_dict_post_hooks = post
 
 
-def _refuse_foreign_state(state_dict: dict, names: tuple, keys: tuple, optimizer: str) -> None:
+# Every key a step of PNM's or AdaPNM's reads: an entry holding one is optimizer state.
+_ANY_BUFFER_KEY = frozenset(keys_read(PNM_BUFFERS + ADAPNM_BUFFERS))
+
+
+def _refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
+                          optimizer: str) -> None:
     """Raises, naming the entry, where a saved entry holds none of this optimizer's buffers
     but keys it never holds: another optimizer's state (SGD's momentum_buffer, RMSprop's
     square_avg), whose step counter would carry over onto fresh buffers. Keys of a user's own
@@ -252,7 +257,7 @@ def _refuse_foreign_state(state_dict: dict, names: tuple, keys: tuple, optimizer
     entry of a user's keys alone (a parameter not stepped yet) where the groups were saved
     by PNM or AdaPNM (they hold this optimizer's hyper-parameter keys: `backend`...)."""
     own = set(keys_read(names))
-    ours = all(set(keys) <= group.keys() for group in state_dict.get("param_groups", []))
+    ours = all(set(group_keys) <= group.keys() for group in state_dict.get("param_groups", []))
     for index, entry in state_dict.get("state", {}).items():
         foreign = sorted(str(key) for key in entry if key not in own)
         if ours and not any(key in _ANY_BUFFER_KEY for key in entry):
@@ -263,10 +268,6 @@ def _refuse_foreign_state(state_dict: dict, names: tuple, keys: tuple, optimizer
                 f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
                 "optimizer? Load the model's weights alone, and let this optimizer's state "
                 "start afresh")
-
-
-# Every key a step of PNM's or AdaPNM's reads: an entry holding one is optimizer state.
-_ANY_BUFFER_KEY = frozenset(keys_read(PNM_BUFFERS + ADAPNM_BUFFERS))
 
 
 def _saved_tensors(state_dict: dict, param_groups) -> dict:

@@ -47,7 +47,8 @@ def scale_name(name: str) -> str:
 
 
 def row_length(shape: torch.Size) -> Optional[int]:
-    """The length of a parameter's rows where it keeps int8 state, else None (bfloat16)."""
+    """The length of a parameter's rows where it keeps int8 state, else None (bfloat16).
+    The whole parameter's shape (a DTensor's), not a shard's: a shard may hold no rows."""
     if len(shape) < 2 or shape[0] == 0:
         return None
     length = shape.numel() // shape[0]
@@ -73,8 +74,10 @@ def _code_max_and_power(signed: bool) -> tuple[int, int]:
     return (SIGNED_MAX, MOMENTUM_POWER) if signed else (UNSIGNED_MAX, SECOND_MOMENT_POWER)
 
 
-def _row_length_of(x: torch.Tensor) -> int:
-    return math.prod(x.shape[1:])  # a shard may hold no rows
+def row_length_of(x: torch.Tensor) -> int:
+    """The length of the rows of x (a parameter, a shard of one, or a buffer shaped like
+    it): from its shape, as a shard may hold no rows."""
+    return math.prod(x.shape[1:])
 
 
 def _as_rows(x: torch.Tensor, length: int) -> torch.Tensor:
@@ -111,7 +114,7 @@ def _magnitude(code: torch.Tensor, cmax: int, power: int) -> torch.Tensor:
 def dequantize(codes: torch.Tensor, scales: torch.Tensor, signed: bool) -> torch.Tensor:
     """The float32 values of a buffer's codes (shaped like them)."""
     cmax, power = _code_max_and_power(signed)
-    length = _row_length_of(codes)
+    length = row_length_of(codes)
     c = _as_rows(codes.contiguous(), length).to(torch.int32)
     value = _magnitude(c.abs(), cmax, power) * _per_element(scales, length)
     if signed:
@@ -124,7 +127,7 @@ def quantize(x: torch.Tensor, bits, signed: bool):
     probability given by its 16 random bits `bits` (int64 in [0, 2^16), shaped like x, or a
     number: NEAREST_BITS rounds to nearest); see the module's docstring."""
     cmax, power = _code_max_and_power(signed)
-    length = _row_length_of(x)
+    length = row_length_of(x)
     rows = _as_rows(x.float().contiguous(), length)
     magnitude = rows.abs()
     block_scales = _blocks(magnitude, length).amax(dim=-1)
@@ -156,5 +159,6 @@ def code_dtype_for(signed: bool) -> torch.dtype:
     return torch.int8 if signed else torch.uint8
 
 
-__all__ = ["BLOCK", "SIGNED", "NEAREST_BITS", "scale_name", "row_length", "scales_shape",
+__all__ = ["BLOCK", "SIGNED", "NEAREST_BITS", "scale_name", "row_length", "row_length_of",
+           "scales_shape",
            "code_dtype", "dequantize", "quantize"]

@@ -4,12 +4,10 @@ addresses, sizes, seeds' addresses and offsets; such batches are cached in Pytho
 backend also holds them in C++). The kernels check nothing: the optimizer made every buffer, seed and
 scale tensor to fit its parameter (state.py), a cached batch's tensors are confirmed to be
 laid out as then before each step (BatchCache, HeldLayouts), and the lists' lengths here."""
-import math
-
 import torch
 
 from ..hyper import Hyper, coefficients
-from ..quantization import blocks_per_row
+from ..quantization import blocks_per_row, row_length_of
 from .base import Batch, Scaling, split_int8, split_lr
 from .triton_tables import as_device, cached, chunk_map
 
@@ -133,7 +131,7 @@ def int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
     if any(len(s) != len(params) for s in scales):
         raise RuntimeError(f"pnm_kernels (backend='triton'): {len(params)} params with int8 "
                            f"state need as many scales in each of {needed} lists")
-    row_lengths = [math.prod(p.shape[1:]) for p in params]  # a shard may hold no rows
+    row_lengths = [row_length_of(p) for p in params]
     counts = [p.shape[0] * blocks_per_row(length) for p, length in zip(params, row_lengths)]
     blocks = INT8_BLOCKS["interpreter" if device.type == "cpu" else "gpu"]
     scale_ptrs = [s.data_ptr() for lst in scales for s in lst]
