@@ -162,15 +162,15 @@ class BatchCache:
         version, known = self._claimed
         if version != self.version(optimizer):
             return False
-        state = optimizer.state
-        return (all(known.get(id(p)) == _memory_of(p, state, names) for p in built)
-                and all(id(p) in known for p in reused))
+        state, keys = optimizer.state, frozenset(keys_read(names))
+        return (all(id(p) in known for p in reused)
+                and all(known.get(id(p)) == _memory_of(p, state, keys) for p in built))
 
     def note_claimed(self, optimizer, params, names) -> None:
         """These parameters' memory and state were checked together, replacing the last."""
-        state = optimizer.state
+        state, keys = optimizer.state, frozenset(keys_read(names))
         self._claimed = (self.version(optimizer),
-                         {id(p): _memory_of(p, state, names) for p in params})
+                         {id(p): _memory_of(p, state, keys) for p in params})
 
     def check_memory(self, optimizer, claims: MemoryClaims) -> None:
         """Raises, naming both, where two tensors of `claims` share memory."""
@@ -276,19 +276,26 @@ def _describe_anywhere(optimizer, p) -> str:
     return _describe(optimizer, group, p)
 
 
-def _memory_of(p, state, names) -> tuple:
-    """Where p and the state tensors a step reads are, and how laid out (a batch never held
-    is built each step, and any of them may have been given other memory, `.data =`, which
-    no version counts)."""
+def _memory_of(p, state, keys) -> tuple:
+    """Where p and its state tensors of these keys (those a step reads) are, and how laid
+    out (a batch never held is built each step, and any of them may have been given other
+    memory, `.data =`, which no version counts)."""
     entry = state.get(p) or {}
-    return tuple(_span_of(t) for t in (p, *map(entry.get, keys_read(names))))
+    return _span_of(p), tuple(_span_of(t) for key, t in entry.items() if key in keys)
 
 
 def _span_of(t):
-    if not isinstance(t, torch.Tensor) or t.layout != torch.strided or t.is_meta:
+    if type(t) not in _PLAIN:  # (the common case first: a step locates thousands a step)
+        if not isinstance(t, torch.Tensor):
+            return None
+        t = local(t)
+    try:
+        return t.data_ptr(), t.shape, t.stride()
+    except RuntimeError:  # no storage (a sparse tensor in a user's key): nothing to locate
         return None
-    t = local(t)
-    return t.data_ptr(), tuple(t.shape), t.stride()
+
+
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _local_or_none(t):

@@ -246,9 +246,12 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         if batch is None:  # what building it would refuse, before any state is converted
             cache.check_states(optimizer, item.group, item.params, n, claims)
     built_params = [p for item, batch in zip(plan, reused) if batch is None for p in item.params]
-    together = not built_params or cache.claimed_together(
-        optimizer, built_params, [p for item, batch in zip(plan, reused) if batch is not None
-                                  for p in item.params], names)
+    reused_params = [p for item, batch in zip(plan, reused) if batch is not None
+                     for p in item.params]
+    # Built alone (the whole step, never-held batches' every step), all is checked together
+    # above: the record is for building beside what is reused, or beside other buckets.
+    together = (not built_params or (not reused_params and not bucket)
+                or cache.claimed_together(optimizer, built_params, reused_params, names))
     if not together:
         # A parameter new to the step (a group added, a parameter given other memory, one
         # not checked with the reused ones) or a changed state: the reused batches, and a
