@@ -249,23 +249,33 @@ def test_storage_shared_without_shared_memory_steps_as_separate_tensors_do(path,
                      *_interleaved_training(path, name, False, columns))
 
 
+@pytest.mark.parametrize("first", ["with the other", "alone"])
+@pytest.mark.parametrize("second", ["held", "never held"])
 @pytest.mark.parametrize("edit", ["buffer", "parameter"])
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_memory_shared_across_batches_by_new_data_is_refused_before_any_change(path, name,
-                                                                              edit):
-    """The second group's buffer, or parameter, given the first group's memory (`.data =`):
-    the first group's batch, confirmed before the edit was seen, is built and checked again
-    with the second's."""
+                                                                              edit, second,
+                                                                              first):
+    """The second group's buffer, or parameter, given the first group's memory (`.data =`,
+    which no version counts): the first group's batch, confirmed before the edit was seen,
+    is built or checked again with the second's. Also where the second group's lists are
+    built every step (foreach's: never held), and where it first steps alone after the edit
+    (checked alone: nothing shared within that step) and the two step together after."""
     params = make_params([(8,), (8,)])
-    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:])], backend=path)
+    backend = path if second == "held" else "foreach"
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:], backend=backend)],
+                           backend=path)
     train(opt, params, 3)
     key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
     if edit == "buffer":
         opt.state[params[1]][key].data = opt.state[params[0]][key]
-        match = rf"params'\]\[0\].* state '{key}' shares memory with param_groups\[0\]"
+        match = rf"params'\]\[0\].* state '{key}' shares memory with param_groups\[\d\]"
     else:
         params[1].data = params[0].data
-        match = r"param_groups\[1\]\['params'\]\[0\].* shares memory with param_groups\[0\]"
+        match = r"param_groups\[\d\]\['params'\]\[0\].* shares memory with param_groups"
+    if first == "alone":
+        params[0].grad, params[1].grad = None, torch.ones_like(params[1])
+        opt.step()
     _assert_step_refused_untouched(opt, params, match)
 
 
@@ -301,30 +311,6 @@ def test_a_parameter_new_to_the_step_sharing_a_stepped_batchs_memory_is_refused(
         match = (rf"param_groups\[0\]\['params'\]\[0\][^:]*: its state '{key}' shares memory "
                  r"with param_groups\[\d\]\['params'\]\[\d\] \(shape \(1, 8\)")
     _assert_step_refused_untouched(opt, params + [new], match)
-
-
-@pytest.mark.parametrize("first", ["with the other", "alone"])
-@pytest.mark.parametrize("edit", ["parameter", "buffer"])
-@cases.parametrize(FAST_PATHS + ["reference"])
-def test_a_batch_never_held_given_a_held_batchs_memory_is_refused(path, name, edit, first):
-    """A foreach group's lists are built every step (never held), the other group's held:
-    the foreach parameter, or its buffer, given the other's memory (`.data =`, which no
-    version counts) is checked against it, also where it first steps alone after the edit
-    (then checked alone) and the two step together after."""
-    params = make_params([(8,), (8,)])
-    opt = OPTIMIZERS[name]([dict(params=params[:1]),
-                            dict(params=params[1:], backend="foreach")], backend=path)
-    train(opt, params, 3)
-    if first == "alone":
-        train(opt, params[1:], 1, start=3)
-    key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
-    if edit == "buffer":
-        opt.state[params[1]][key].data = opt.state[params[0]][key]
-        match = rf"params'\]\[0\].* state '{key}' shares memory with param_groups\[\d\]"
-    else:
-        params[1].data = params[0].data
-        match = r"param_groups\[\d\]\['params'\]\[0\].* shares memory with param_groups"
-    _assert_step_refused_untouched(opt, params, match)
 
 
 # Parameters whose own elements share memory: made so, or given such data after some steps.
