@@ -20,7 +20,7 @@ from .params import (describe, element_offset, holdable, kernel_batch, local, sh
 from .quantization import scale_name
 from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateValueError,
                     StateWatch, check_state, claim_state, count_replacement, ensure_state,
-                    keys_read)
+                    is_plain, keys_read)
 
 _MAX_ENTRIES = 64
 
@@ -285,7 +285,7 @@ def _memory_of(p, state, keys) -> tuple:
 
 
 def _span_of(t):
-    if type(t) not in _PLAIN:  # (the common case first: a step locates thousands a step)
+    if not is_plain(t):  # (the common case first: a step locates thousands a step)
         if not isinstance(t, torch.Tensor):
             return None
         t = local(t)
@@ -294,8 +294,6 @@ def _span_of(t):
     except RuntimeError:  # no storage (a sparse tensor in a user's key): nothing to locate
         return None
 
-
-_PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 
 def _local_or_none(t):

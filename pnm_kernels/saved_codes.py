@@ -11,6 +11,7 @@ step, so one group may hold codes and float state side by side."""
 import torch
 
 from .quantization import SIGNED, scale_name
+from .state import CODE_DTYPES
 
 # The group key of state_dict(): the places of the group's entries that hold int8 codes.
 KEY = "saved_int8_codes"
@@ -29,7 +30,7 @@ def _holds_codes(entry) -> bool:
 
 
 def _is_codes(value) -> bool:
-    return torch.is_tensor(value) and value.dtype in (torch.int8, torch.uint8)
+    return torch.is_tensor(value) and value.dtype in CODE_DTYPES
 
 
 def refuse_codes_read_as_values(state_dict: dict) -> list:

@@ -197,7 +197,8 @@ class StateValueError(RuntimeError):
     """A value of a parameter's state that no step can use (args: its key, what is wrong)."""
 
 
-_CODE_DTYPES = (torch.int8, torch.uint8)
+# What int8 state's buffers hold: signed (momenta) and unsigned (second moments) codes.
+CODE_DTYPES = (torch.int8, torch.uint8)
 
 
 def as_seed(seed, p) -> torch.Tensor:
@@ -283,7 +284,7 @@ def _check_buffer(entry: dict, name: str, p) -> None:
         raise StateValueError(name, f"is a {type(buffer).__name__}, not a tensor")
     if buffer.shape != p.shape:
         raise BufferShapeError(name, buffer, p.shape)
-    if buffer.dtype in _CODE_DTYPES:
+    if buffer.dtype in CODE_DTYPES:
         if buffer.dtype != quantization.code_dtype(name):
             kind = "signed (int8)" if quantization.SIGNED[name] else "unsigned (uint8)"
             raise StateValueError(name, f"holds {buffer.dtype} codes where its codes are "
@@ -338,7 +339,7 @@ def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,
         buffer = entry.get(name)
         if buffer is None:  # e.g. amsgrad switched on mid-run
             put(entry, name, torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format))
-        elif buffer.dtype in _CODE_DTYPES:  # int8 codes into another dtype
+        elif buffer.dtype in CODE_DTYPES:  # int8 codes into another dtype
             put(entry, name, torch.empty_like(p, dtype=dtype).copy_(_decoded(entry, name, p)))
             _pop(entry, quantization.scale_name(name))
             replaced = True
@@ -403,7 +404,7 @@ def _ensure_int8_buffers(entry: dict, p, names) -> bool:
         key = quantization.scale_name(name)
         buffer, scales = entry.get(name), entry.get(key)
         if dtype == torch.bfloat16:  # rows too short for a block
-            if buffer is not None and buffer.dtype in _CODE_DTYPES:
+            if buffer is not None and buffer.dtype in CODE_DTYPES:
                 put(entry, name, torch.empty_like(p, dtype=dtype).copy_(_decoded(entry, name, p)))
                 _pop(entry, key)
                 replaced = True
@@ -424,7 +425,7 @@ def _ensure_int8_buffers(entry: dict, p, names) -> bool:
         _check_buffer(entry, name, p)
         if scales is not None and codes_fit(buffer, scales, p, dtype):
             continue
-        if buffer.dtype in _CODE_DTYPES:  # codes of another kind (a moved parameter's)
+        if buffer.dtype in CODE_DTYPES:  # codes of another kind (a moved parameter's)
             values = _local(_decoded(entry, name, p))
         else:  # a float buffer (fp32 or bf16 state, a checkpoint's) into codes
             values = _local(buffer).float()
