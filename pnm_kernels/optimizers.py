@@ -40,6 +40,7 @@ class _PositiveNegativeMomentum(Optimizer):
         self._new_step_paths()
         self.register_state_dict_post_hook(plain_state_entries, prepend=True)
         self.register_state_dict_post_hook(saved_codes.mark, prepend=True)
+        self.register_state_dict_pre_hook(saved_codes.hold_key_pre_hook)
 
     def _new_step_paths(self) -> None:
         """What the step keeps between steps, each part owning its cache: the planner (each
@@ -60,6 +61,7 @@ class _PositiveNegativeMomentum(Optimizer):
         for group in self.param_groups:  # groups saved before a key existed get its default
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
+        saved_codes.hold_key(self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
         # The hooks run where torch runs them around its loading, here around ours: the
@@ -88,6 +90,7 @@ class _PositiveNegativeMomentum(Optimizer):
             super().load_state_dict(state_dict)  # its state made counted by __setstate__
         for group, own in zip(self.param_groups, kept):
             group.update(own)
+        saved_codes.hold_key(self.param_groups)
         self._batches.drop()
         for group in self.param_groups:
             for p in group["params"]:
@@ -132,6 +135,7 @@ class _PositiveNegativeMomentum(Optimizer):
                                       item[1] if isinstance(item, tuple) else item)
                                      for i, item in enumerate(items))
         super().add_param_group(param_group)
+        saved_codes.hold_key(self.param_groups[-1:])
         if handle is not None:  # its parameters step in backward too
             handle.watch(self.param_groups[-1]["params"])
 

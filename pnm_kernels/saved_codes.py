@@ -7,7 +7,12 @@ and drops the scales, and the next step would take them for momenta. Each saved 
 the places (in its params) of the entries that hold codes (a group key, which DCP loads from
 the checkpoint like the lr); load_state_dict refuses such an entry that then comes as floats
 without scales. Per entry: a group switched to int8 converts a parameter's state at its next
-step, so one group may hold codes and float state side by side."""
+step, so one group may hold codes and float state side by side.
+
+Every live group holds KEY too (None; only saved groups list places): torch's
+get_optimizer_state_dict / set_optimizer_state_dict with flatten_optimizer_state_dict=True
+rebuild the groups they load from the loading optimizer's own group keys, and a key only
+saved groups held would be dropped there, the codes then loading as values unseen."""
 import torch
 
 from .quantization import SIGNED, scale_name
@@ -15,6 +20,17 @@ from .state import CODE_DTYPES
 
 # The group key of state_dict(): the places of the group's entries that hold int8 codes.
 KEY = "saved_int8_codes"
+
+
+def hold_key(groups) -> None:
+    """Gives each live group KEY (None) where it has none: a group added by hand too."""
+    for group in groups:
+        group.setdefault(KEY, None)
+
+
+def hold_key_pre_hook(optimizer) -> None:
+    """state_dict pre-hook: DCP's flattened load reads the loading optimizer's group keys."""
+    hold_key(optimizer.param_groups)
 
 
 def mark(optimizer, state_dict) -> None:
@@ -59,4 +75,4 @@ def refuse_codes_read_as_values(state_dict: dict) -> list:
     return [{k: v for k, v in saved.items() if k != KEY} for saved in saved_groups]
 
 
-__all__ = ["KEY", "mark", "refuse_codes_read_as_values"]
+__all__ = ["KEY", "hold_key", "hold_key_pre_hook", "mark", "refuse_codes_read_as_values"]
