@@ -3,7 +3,7 @@
 # PNM/AdaPNM against torch.optim on this machine's device (CUDA if present, else CPU), ending
 # in a table, a JSON and a figure under benchmarks/out/ (ignored by git). Under 1.5 minutes
 # on an idle 2-core CPU once set up. Extra arguments go to bench_step.py: e.g. --quick (two
-# sets), --compiled (adds the torch.compile'd contenders: minutes more), --dtype bfloat16,
+# sets on a CPU, three on a GPU), --compiled (adds the torch.compile'd contenders: minutes more), --dtype bfloat16,
 # --device cpu, --out DIR; --help lists them.
 set -euo pipefail
 cd "$(dirname "$0")/.."
