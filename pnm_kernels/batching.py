@@ -18,7 +18,8 @@ from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .quantization import scale_name
-from .state import (BufferShapeError, CodesWithoutScalesError, ParamState, StateValueError,
+from .state import (REFUSED_LOAD, BufferShapeError, CodesWithoutScalesError, ParamState,
+                    StateValueError,
                     StateWatch, check_state, claim_state, count_replacement, ensure_state,
                     is_plain, keys_read)
 
@@ -202,6 +203,11 @@ def _explained(optimizer, group, p):
             "state_dict") from None
     except StateValueError as e:
         key, problem = e.args
+        if key == REFUSED_LOAD:
+            raise RuntimeError(
+                f"{_describe(optimizer, group, p)}: {problem} (its state {key!r} says so): "
+                "restart its state with `del optimizer.state[param]`, or load a state_dict "
+                "of this optimizer") from None
         raise RuntimeError(
             f"{_describe(optimizer, group, p)}: its state {key!r} {problem}: set by hand or "
             "loaded so? Restart its state with `del optimizer.state[param]`, or load a "

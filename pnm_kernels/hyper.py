@@ -18,6 +18,22 @@ STATE_DTYPES = (None, torch.float32, torch.bfloat16, torch.int8)
 ADAPNM_KEYS = PNM_KEYS + ("eps", "amsgrad")
 
 
+def saved_state_dtype(value):
+    """state_dtype as a state_dict holds it: by name ("bfloat16"), as torch's distributed
+    state_dict utilities (full_state_dict, cpu_offload) take no torch.dtype value."""
+    return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else value
+
+
+def state_dtype_from_saved(value):
+    """A saved state_dtype as the groups hold it: a name made a dtype again (a checkpoint
+    holding the dtype itself loads as well); anything else as it is, for validate_group."""
+    if isinstance(value, str):
+        for dtype in STATE_DTYPES[1:]:
+            if value == saved_state_dtype(dtype):
+                return dtype
+    return value
+
+
 def _is_real_number(x) -> bool:
     # float and int first: an isinstance check against the numbers.Real ABC costs ~0.2 µs,
     # and a scheduler's new lr has a group validated again at each step.

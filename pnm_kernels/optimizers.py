@@ -14,7 +14,8 @@ from . import plan as planning
 from . import saved_codes, traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
-from .hyper import ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, validate_group
+from .hyper import (ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, saved_state_dtype,
+                    state_dtype_from_saved, validate_group)
 from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
@@ -39,6 +40,7 @@ class _PositiveNegativeMomentum(Optimizer):
         self.state = OptimizerState()
         self._new_step_paths()
         self.register_state_dict_post_hook(plain_state_entries, prepend=True)
+        self.register_state_dict_post_hook(_state_dtypes_by_name, prepend=True)
         self.register_state_dict_post_hook(saved_codes.mark, prepend=True)
         self.register_state_dict_pre_hook(saved_codes.hold_key_pre_hook)
 
@@ -72,6 +74,11 @@ class _PositiveNegativeMomentum(Optimizer):
             result = pre_hook(self, state_dict)
             if result is not None:
                 state_dict = result
+        if isinstance(state_dict.get("param_groups"), list):
+            state_dict["param_groups"] = [
+                {**group, "state_dtype": state_dtype_from_saved(group["state_dtype"])}
+                if isinstance(group, dict) and "state_dtype" in group else group
+                for group in state_dict["param_groups"]]
         # Checked before anything is replaced: a state_dict of another optimizer (AdamW's
         # two betas) is refused here, not at the next step with the groups already loaded.
         for gi, group in enumerate(state_dict.get("param_groups", [])):
@@ -79,7 +86,7 @@ class _PositiveNegativeMomentum(Optimizer):
                            f"state_dict['param_groups'][{gi}]")
         _refuse_foreign_state(state_dict, self._buffer_names, self._keys, type(self).__name__)
         state_dict = {**state_dict, "param_groups": saved_codes.refuse_codes_read_as_values(
-            state_dict)}
+            self, state_dict)}
         saved = _saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its
@@ -232,6 +239,12 @@ class _PositiveNegativeMomentum(Optimizer):
         (see traced.init_group)."""
         return traced.init_group(self, group, params, grads, buffer0, buffer1, buffer2,
                                  buffer3, steps, seeds, [scale0, scale1, scale2, scale3])
+
+
+def _state_dtypes_by_name(optimizer, state_dict) -> None:
+    """state_dict post-hook: each saved group's state_dtype by name (hyper.saved_state_dtype)."""
+    for saved in state_dict["param_groups"]:
+        saved["state_dtype"] = saved_state_dtype(saved.get("state_dtype"))
 
 
 @contextlib.contextmanager

@@ -199,6 +199,8 @@ class StateValueError(RuntimeError):
 
 # What int8 state's buffers hold: signed (momenta) and unsigned (second moments) codes.
 CODE_DTYPES = (torch.int8, torch.uint8)
+# Marks an entry a refused load had written into (saved_codes.py): no step takes it.
+REFUSED_LOAD = "written_by_refused_load"
 
 
 def as_seed(seed, p) -> torch.Tensor:
@@ -219,6 +221,8 @@ def check_state(state: dict, p, names) -> None:
     entry = state.get(p)
     if not entry:
         return
+    if REFUSED_LOAD in entry:
+        raise StateValueError(REFUSED_LOAD, entry[REFUSED_LOAD])
     for key in ("step", "seed"):
         value = entry.get(key)
         if value is None:
@@ -284,6 +288,7 @@ def _check_buffer(entry: dict, name: str, p) -> None:
         raise StateValueError(name, f"is a {type(buffer).__name__}, not a tensor")
     if buffer.shape != p.shape:
         raise BufferShapeError(name, buffer, p.shape)
+    _check_sharded_like(name, buffer, p)
     if buffer.dtype in CODE_DTYPES:
         if buffer.dtype != quantization.code_dtype(name):
             kind = "signed (int8)" if quantization.SIGNED[name] else "unsigned (uint8)"
@@ -300,9 +305,21 @@ def _check_buffer(entry: dict, name: str, p) -> None:
             raise StateValueError(key, f"is on {scales.device}, its codes on {buffer.device}")
         if scales.shape != quantization.scales_shape(p.shape):
             raise BufferShapeError(key, scales, quantization.scales_shape(p.shape))
+        _check_sharded_like(key, scales, p)
     elif not (buffer.is_floating_point() or buffer.is_complex()):
         raise StateValueError(name, f"is of dtype {buffer.dtype}: a buffer holds floating "
                               "values, or int8 codes with their scales")
+
+
+def _check_sharded_like(key: str, t: torch.Tensor, p) -> None:
+    """A DTensor parameter's state is placed as it is, a plain one's plain (full_state_dict
+    loads put the keys the loading optimizer lacked, int8 scales, whole beside shards)."""
+    def placed(x):
+        return f"a DTensor placed {list(x.placements)}" if is_dtensor(x) else "a plain tensor"
+    mesh = getattr(p, "device_mesh", None)
+    if placed(t) != placed(p) or getattr(t, "device_mesh", None) != mesh:
+        raise StateValueError(key, f"is {placed(t)} where its parameter is {placed(p)}: "
+                              "state sharded otherwise than its parameter (loaded so?)")
 
 
 def ensure_state(state: dict, p, names, dtype: Optional[torch.dtype] = None,

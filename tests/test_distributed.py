@@ -140,6 +140,9 @@ def _worker(rank, mode, name, workdir, port):
             if mode.startswith("fsdp-dcp"):
                 model, opt = _checkpoint_round_trip(model, opt, name, workdir,
                                                     _state_dtype(mode))
+            elif mode.startswith("fsdp-full"):
+                model, opt = _full_checkpoint_round_trip(model, opt, name, workdir, rank,
+                                                         _state_dtype(mode))
             _train(model, opt, xs, ys, range(half, STEPS), rank)
             if "-in-backward" in mode:  # every reduced gradient was stepped and freed
                 assert all(p.grad is None for p in model.parameters())
@@ -208,10 +211,43 @@ def _checkpoint_round_trip(model, opt, name, workdir, state_dtype=None):
     return fresh, fresh_opt
 
 
+def _full_state_dicts(model, opt, workdir, rank):
+    """The whole (unsharded) state, saved by rank 0 with torch.save (full_state_dict,
+    cpu_offload: the other ranks get none), and read back by rank 0 alone."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+    model_sd, optim_sd = get_state_dict(
+        model, opt, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    path = os.path.join(workdir, "full.pt")
+    if rank == 0:
+        torch.save({"model": model_sd, "optim": optim_sd}, path)
+    dist.barrier()
+    return torch.load(path) if rank == 0 else {"model": {}, "optim": {}}
+
+
+def _full_checkpoint_round_trip(model, opt, name, workdir, rank, state_dtype=None):
+    """The whole state saved by rank 0 and broadcast into fresh shards (broadcast_from_rank0),
+    training then continuing in them."""
+    from torch.distributed.checkpoint.state_dict import (StateDictOptions,
+                                                         set_model_state_dict,
+                                                         set_optimizer_state_dict)
+    loaded = _full_state_dicts(model, opt, workdir, rank)
+    fresh = _model(state_dtype)
+    _shard(fresh)
+    fresh_opt = _make_opt(name, fresh.parameters(), state_dtype=state_dtype)
+    # Apart: set_state_dict takes an empty model state_dict (the other ranks') for "no model"
+    # and would leave rank 0 alone in the model's broadcast.
+    options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=True)
+    set_model_state_dict(fresh, loaded["model"], options=options)
+    set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"], options=options)
+    assert fresh_opt.state[next(fresh.parameters())]["step"].item() == STEPS // 2
+    return fresh, fresh_opt
+
+
 @pytest.mark.parametrize("mode", ["ddp", "ddp-zero", "ddp-zero-resumed"] + [
     pytest.param(m, marks=needs_cpu_fsdp2) for m in (
         "fsdp", "fsdp-dcp", "fsdp-offload", "fsdp-bf16-state", "fsdp-dcp-bf16-state",
-        "fsdp-int8-state", "fsdp-dcp-int8-state", "fsdp-in-backward",
+        "fsdp-int8-state", "fsdp-dcp-int8-state", "fsdp-full-bf16-state",
+        "fsdp-full-int8-state", "fsdp-in-backward",
         "fsdp-in-backward-int8-state")] + [
     "ddp-nccl", "fsdp-nccl"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
@@ -230,6 +266,64 @@ def test_two_ranks_match_single_process_training(mode, name):
             got = _resumed_in_one_process(name, _state_dtype(mode), workdir)
             for p, q in zip(got, expected):
                 torch.testing.assert_close(p, q)
+
+
+def _int8_read_through_bf16_worker(rank, name, workdir, port):
+    """Each rank writes what it saw of the whole int8 state read into bfloat16-state shards:
+    broadcast from rank 0 (refused when loaded), or given to every rank (torch puts the
+    scales beside the shards whole: refused by the step, touching nothing)."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                            world_size=WORLD)
+    seen = {}
+    try:
+        xs, ys = _data()
+        model = _model(torch.int8)
+        _shard(model)
+        opt = _make_opt(name, model.parameters(), state_dtype=torch.int8)
+        _train(model, opt, xs, ys, range(STEPS // 2), rank)
+        loaded = _full_state_dicts(model, opt, workdir, rank)
+        for broadcast in (True, False):
+            if not broadcast:
+                loaded = {"optim": torch.load(os.path.join(workdir, "full.pt"))["optim"]}
+            fresh = _model(torch.int8)
+            _shard(fresh)
+            fresh_opt = _make_opt(name, fresh.parameters(), state_dtype=torch.bfloat16)
+            options = StateDictOptions(full_state_dict=True, broadcast_from_rank0=broadcast)
+            try:
+                set_optimizer_state_dict(fresh, fresh_opt, loaded["optim"], options=options)
+                before = [p.full_tensor().clone() for p in fresh.parameters()]
+                _train(fresh, fresh_opt, xs, ys, range(STEPS // 2, STEPS), rank)
+                seen[broadcast] = "stepped"
+            except (ValueError, RuntimeError) as e:
+                seen[broadcast] = str(e)
+                if not broadcast:  # the step refused: no parameter moved
+                    assert all(torch.equal(p.full_tensor(), q)
+                               for p, q in zip(fresh.parameters(), before))
+            dist.barrier()
+        torch.save(seen, os.path.join(workdir, f"seen{rank}.pt"))
+        dist.barrier()
+    finally:
+        dist.destroy_process_group()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+@needs_cpu_fsdp2
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_whole_int8_state_read_into_bfloat16_shards_is_refused_on_every_rank(name):
+    """A whole (full_state_dict) int8 checkpoint read into an optimizer of bfloat16 state:
+    broadcast from rank 0, every rank refuses the load naming the entry (rank 0 alone got
+    the scales; the ranks must not part ways); given to every rank, the step refuses the
+    scales put beside the shards whole, naming them."""
+    with tempfile.TemporaryDirectory() as workdir:
+        mp.spawn(_int8_read_through_bf16_worker, args=(name, workdir, _free_port()),
+                 nprocs=WORLD, join=True)
+        for rank in range(WORLD):
+            seen = torch.load(os.path.join(workdir, f"seen{rank}.pt"))
+            assert "yet it was saved holding int8 codes" in seen[True], seen[True]
+            assert ("_scale' is a plain tensor where its parameter is a DTensor placed "
+                    "[Shard(dim=0)]") in seen[False], seen[False]
 
 
 def _resumed_in_one_process(name, state_dtype, workdir):

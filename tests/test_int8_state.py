@@ -5,13 +5,12 @@ lie within dim-0 rows, so sharded parameters quantise as whole ones; the state t
 plain state_dict, converts to and from other state dtypes, and what does not fit is refused
 naming it before anything is touched. (Training as well as float32 state, the drift test and
 dim-0 shards: tests/test_state_dtype.py, over both compressed dtypes.)"""
-import copy
 
 import pytest
 import torch
 
 from cases import INT8_PATHS, OPTIMIZERS, parametrize
-from conftest import assert_close_codes, assert_same_bits, assert_same_entry, round_trip
+from conftest import assert_close_codes, assert_same_bits, round_trip
 from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
 from pnm_kernels.backends import resolve_backend
 from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
@@ -217,107 +216,6 @@ def test_a_float32_checkpoint_loads_into_int8_state_and_back(name):
     _run(plain, back, 1, first=5)
     assert plain.state[back[0]][key].dtype == torch.float32
     assert scale_name(key) not in plain.state[back[0]]
-
-
-def _module_of(params):
-    module = torch.nn.Module()
-    for i, p in enumerate(params):
-        module.register_parameter(f"p{i}", p)
-    return module
-
-
-def _dcp_state_dict_options(flattened):
-    """How torch.distributed.checkpoint.state_dict lays an optimizer's state out: nested as
-    state_dict() gives it, or flattened to one key per value (torchtitan's choice), whose
-    load rebuilds the groups from the loading optimizer's own group keys."""
-    from torch.distributed.checkpoint.state_dict import StateDictOptions
-    return StateDictOptions(flatten_optimizer_state_dict=flattened)
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("flattened", [False, True], ids=["nested", "flattened"])
-@pytest.mark.parametrize("name", list(OPTIMIZERS))
-def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(name, flattened,
-                                                                             tmp_path):
-    """torch.distributed.checkpoint loads into the keys and dtypes of the loading optimizer's
-    state_dict: codes read through float32 state come as floats (127.0), their scales left
-    out. Refused naming the entry, nothing loaded; read through int8 state and switched to
-    float32, they convert as load_state_dict converts them."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    options = _dcp_state_dict_options(flattened)
-
-    def through_dcp(state_dtype):
-        params = _params(torch.float32, seed=1)
-        model = _module_of(params)
-        opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=state_dtype)
-        _run(opt, params, 1)  # state to load into, as get_state_dict would make it
-        template = {"optim": get_optimizer_state_dict(model, opt, options=options)}
-        dcp.load(template, checkpoint_id=str(tmp_path))
-        return model, opt, params, template["optim"]
-
-    params = _params(torch.float32)
-    opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=torch.int8)
-    _run(opt, params, 4)
-    dcp.save({"optim": get_optimizer_state_dict(_module_of(params), opt, options=options)},
-             checkpoint_id=str(tmp_path))
-    model, into, into_params, loaded = through_dcp(None)
-    before = [(p.detach().clone(), copy.deepcopy(dict(into.state[p]))) for p in into_params]
-    with pytest.raises(ValueError, match=r"state_dict\['state'\]\['p0'\]\['\w+'\] is "
-                                         r"torch.float32 without int8 codes' scales, yet it "
-                                         r"was saved holding int8 codes"):
-        set_optimizer_state_dict(model, into, loaded, options=options)
-    for p, (value, entry) in zip(into_params, before):
-        assert torch.equal(p, value)
-        assert_same_entry(into.state[p], entry)
-    model, into, into_params, loaded = through_dcp(torch.int8)
-    set_optimizer_state_dict(model, into, loaded, options=options)
-    into.param_groups[0]["state_dtype"] = None
-    expected_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
-    expected = OPTIMIZERS[name](expected_params, lr=1e-2)
-    expected.load_state_dict(round_trip(opt.state_dict()))
-    for p, q in zip(into_params, params):
-        p.data.copy_(q)
-    _run(into, into_params, 1, first=4)
-    _run(expected, expected_params, 1, first=4)
-    assert_same_bits(into, into_params, expected, expected_params)
-
-
-@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
-@pytest.mark.parametrize("flattened,appended_by_hand", [(False, False), (True, False), (True, True)],
-                         ids=["nested", "flattened", "flattened-group-appended-by-hand"])
-def test_codes_of_a_group_partly_converted_are_refused_through_float_state(
-        flattened, appended_by_hand, tmp_path):
-    """A group switched to int8 converts a parameter's state at its next step: one that had
-    no gradient since keeps float state beside the other's codes. DCP's read through float
-    state is refused for the entry holding codes, also where the loading optimizer's group
-    was appended to its param_groups by hand (no add_param_group)."""
-    import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint.state_dict import (get_optimizer_state_dict,
-                                                         set_optimizer_state_dict)
-    options = _dcp_state_dict_options(flattened)
-    params = _params(torch.float32, shapes=[(4, 256), (4, 256)])
-    opt = PNM(params, lr=1e-2)
-    _run(opt, params, 2)
-    opt.param_groups[0]["state_dtype"] = torch.int8
-    params[1].grad = None
-    _run(opt, params[:1], 2, first=2)
-    assert opt.state_dict()["param_groups"][0]["saved_int8_codes"] == [0]
-    dcp.save({"optim": get_optimizer_state_dict(_module_of(params), opt, options=options)},
-             checkpoint_id=str(tmp_path))
-    into_params = _params(torch.float32, seed=1, shapes=[(4, 256), (4, 256)])
-    into = PNM(into_params, lr=1e-2)
-    if appended_by_hand:
-        into.param_groups = [dict(group) for group in into.param_groups]
-        del into.param_groups[0]["saved_int8_codes"]
-    _run(into, into_params, 1)
-    model = _module_of(into_params)
-    loaded = {"optim": get_optimizer_state_dict(model, into, options=options)}
-    dcp.load(loaded, checkpoint_id=str(tmp_path))
-    with pytest.raises(ValueError, match=r"state_dict\['state'\]\['p0'\]\['pos_momentum'\] is "
-                                         r"torch.float32 without int8 codes' scales"):
-        set_optimizer_state_dict(model, into, loaded["optim"], options=options)
 
 
 def test_conversion_rounds_each_value_to_a_neighbouring_code():
