@@ -19,8 +19,8 @@ from .hyper import (ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, saved_state_dtype,
 from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
-from .state import (OptimizerState, as_step, is_one_number, keys_read, plain_state_entries, put,
-                    tracked)
+from .state import (REFUSED_LOAD, OptimizerState, ParamState, as_step, is_one_number, keys_read,
+                    put, tracked)
 
 BACKENDS = BACKEND_NAMES
 # The group keys load_state_dict keeps from the loading optimizer (how it runs).
@@ -35,14 +35,22 @@ class _PositiveNegativeMomentum(Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults):
+        defaults = {**defaults, "state_dtype": state_dtype_from_saved(defaults["state_dtype"])}
         validate_group(dict(defaults, params=[]), self._adaptive, "defaults")
         super().__init__(params, defaults)
         self.state = OptimizerState()
         self._new_step_paths()
-        self.register_state_dict_post_hook(plain_state_entries, prepend=True)
-        self.register_state_dict_post_hook(_state_dtypes_by_name, prepend=True)
-        self.register_state_dict_post_hook(saved_codes.mark, prepend=True)
-        self.register_state_dict_pre_hook(saved_codes.hold_key_pre_hook)
+        self._own_state_dict_hooks()
+
+    def _own_state_dict_hooks(self) -> None:
+        """What state_dict() needs of ours (plain entries, state_dtype by name, the int8
+        codes' mark), where missing: torch's pickling (deepcopy too) keeps no hook."""
+        post = self._optimizer_state_dict_post_hooks.values()
+        for hook in (_plain_state_entries, _state_dtypes_by_name, saved_codes.mark):
+            if hook not in post:
+                self.register_state_dict_post_hook(hook, prepend=True)
+        if saved_codes.hold_key_pre_hook not in self._optimizer_state_dict_pre_hooks.values():
+            self.register_state_dict_pre_hook(saved_codes.hold_key_pre_hook)
 
     def _new_step_paths(self) -> None:
         """What the step keeps between steps, each part owning its cache: the planner (each
@@ -60,6 +68,7 @@ class _PositiveNegativeMomentum(Optimizer):
         handle = getattr(self, "_in_backward", None)  # load_state_dict comes here too
         self._new_step_paths()
         self._in_backward = handle
+        self._own_state_dict_hooks()
         for group in self.param_groups:  # groups saved before a key existed get its default
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
@@ -120,6 +129,8 @@ class _PositiveNegativeMomentum(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         where = f"param_groups[{len(self.param_groups)}]"
+        if "state_dtype" in param_group:  # by name, as a state_dict holds it, too
+            param_group["state_dtype"] = state_dtype_from_saved(param_group["state_dtype"])
         validate_group({**self.defaults, **param_group}, self._adaptive, where)
         params = param_group.get("params")
         if not isinstance(params, (torch.Tensor, set, type(None))):
@@ -239,6 +250,16 @@ class _PositiveNegativeMomentum(Optimizer):
         (see traced.init_group)."""
         return traced.init_group(self, group, params, grads, buffer0, buffer1, buffer2,
                                  buffer3, steps, seeds, [scale0, scale1, scale2, scale3])
+
+
+def _plain_state_entries(optimizer, state_dict) -> None:
+    """state_dict post-hook: plain dicts, which torch.load(weights_only=True) accepts, without
+    REFUSED_LOAD (DCP would ask a checkpoint for it, and the load that mends the entry fail)."""
+    state_dict["state"] = {
+        key: {k: v for k, v in entry.items() if k != REFUSED_LOAD}
+        if isinstance(entry, dict) and REFUSED_LOAD in entry
+        else dict(entry) if isinstance(entry, ParamState) else entry
+        for key, entry in state_dict["state"].items()}
 
 
 def _state_dtypes_by_name(optimizer, state_dict) -> None:

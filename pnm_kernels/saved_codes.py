@@ -4,16 +4,17 @@
 is given, the loading optimizer's: a checkpoint of int8 state read through the state_dict of
 an optimizer with float state fills its float buffers with the codes cast to floats (127.0),
 and the next step would take them for momenta. Each saved group lists the places (in its
-params) of the entries that hold codes (a group key, which DCP loads from the checkpoint like
-the lr); load_state_dict refuses such an entry that then comes as floats. Per entry: a group
-switched to int8 converts a parameter's state at its next step, so one group may hold codes
-and float state side by side.
+params) and names of the buffers that hold codes (a group key, which DCP loads from the
+checkpoint like the lr); load_state_dict refuses such a buffer that then comes as floats. Per
+buffer: a group switched to int8 converts a parameter's state at its next step, so one group
+may hold codes and float state side by side (and a buffer given float data by hand, codes
+beside it).
 
 How torch's state_dict utilities carry the key decides its form:
 - Every live group holds KEY too (None; only saved groups list places): with
   flatten_optimizer_state_dict=True they rebuild the loaded groups from the loading
   optimizer's own group keys, and would drop a key only saved groups held.
-- The places are one string ("0,2"): they flatten a list into a key per element, and with
+- The places are one string ("0:exp_avg,2:exp_avg"): they flatten a list into a key per element, and with
   full_state_dict take only the keys the loading optimizer's own state_dict has, so a list of
   another length would be cut short, or (broadcast_from_rank0) reach rank 0 alone.
 - The refusal does not ask whether scales came too: with broadcast_from_rank0, rank 0's
@@ -22,14 +23,16 @@ How torch's state_dict utilities carry the key decides its form:
 
 DCP writes into the tensors of the state_dict it is given, which are the loading optimizer's
 own state (`dcp.load(get_optimizer_state_dict(...))`): by the time load_state_dict refuses,
-those buffers hold the codes as values. Such an entry is marked (REFUSED_LOAD), and a step
-refuses it, naming it, until it is deleted or a state_dict loads."""
+those buffers hold the codes as values, and the other entries the checkpoint's values beside
+groups never loaded. Each entry so written is marked (REFUSED_LOAD), and a step refuses it,
+naming it, until it is deleted or a state_dict loads (the mark stays out of state_dict(), so
+that DCP's next load does not ask a checkpoint for it)."""
 import torch
 
 from .quantization import SIGNED, scale_name
 from .state import CODE_DTYPES, REFUSED_LOAD, is_dtensor
 
-# The group key of state_dict(): the places of the group's entries that hold int8 codes.
+# The group key of state_dict(): where the group's state holds int8 codes.
 KEY = "saved_int8_codes"
 
 
@@ -45,16 +48,17 @@ def hold_key_pre_hook(optimizer) -> None:
 
 
 def mark(optimizer, state_dict) -> None:
-    """state_dict post-hook: each saved group's KEY."""
+    """state_dict post-hook: each saved group's KEY, "place:buffer" for each buffer holding
+    codes (a buffer given float data by hand beside another's codes is not one)."""
     state = optimizer.state
     for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-        saved[KEY] = ",".join(str(i) for i, p in enumerate(group["params"])
-                              if _holds_codes(state.get(p)))
+        saved[KEY] = ",".join(f"{i}:{name}" for i, p in enumerate(group["params"])
+                              for name in _code_buffers(state.get(p)))
 
 
-def _holds_codes(entry) -> bool:
-    return bool(entry) and any(_is_codes(entry[name]) and torch.is_tensor(entry.get(scale_name(name)))
-                               for name in entry if name in SIGNED)
+def _code_buffers(entry) -> list:
+    return [name for name in entry or () if name in SIGNED and _is_codes(entry[name])
+            and torch.is_tensor(entry.get(scale_name(name)))]
 
 
 def _is_codes(value) -> bool:
@@ -62,51 +66,55 @@ def _is_codes(value) -> bool:
 
 
 def _places(saved) -> list:
-    """A saved group's KEY as places: "0,2" (or the list an earlier version saved)."""
+    """A saved group's KEY as (place, buffer or None: any) pairs, from "0:exp_avg,2:exp_avg"
+    (or the list of places an earlier version saved)."""
     value = saved.get(KEY)
-    items = value.split(",") if isinstance(value, str) else value or []
-    return [int(item) for item in items if str(item).strip().isdigit()]
+    if not isinstance(value, str):
+        return [(item, None) for item in value or [] if isinstance(item, int) and item >= 0]
+    pairs = [item.partition(":") for item in value.split(",")]
+    return [(int(place), name) for place, _, name in pairs if place.isdigit() and name]
 
 
 def refuse_codes_read_as_values(optimizer, state_dict: dict) -> list:
     """Raises, naming the first, where entries saved holding codes come holding floats
-    (marking each of the optimizer's own entries the floats were written into); returns the
-    saved groups without KEY (it is not a hyper-parameter)."""
+    (marking each of the optimizer's own entries the load had written into: its tensors are
+    the state_dict's); returns the saved groups without KEY (it is not a hyper-parameter)."""
     state = state_dict.get("state", {})
     saved_groups = state_dict.get("param_groups", [])
-    groups = optimizer.param_groups
-    refused, written_into_own = [], False
+    refused = []
     for gi, saved in enumerate(saved_groups):
         ids = saved.get("params", [])
-        # The loading optimizer's parameters in those places (where the groups match, as
-        # torch's load requires).
-        params = groups[gi]["params"] if gi < len(groups) else []
-        for place in _places(saved):
+        for place, buffer in _places(saved):
             index = ids[place] if place < len(ids) else None
             entry = state.get(index) or {}
-            read = [name for name in entry if name in SIGNED
+            read = [name for name in entry if name in SIGNED and buffer in (None, name)
                     and torch.is_tensor(entry[name]) and entry[name].is_floating_point()]
-            if not read:
-                continue
-            refused.append((gi, index, read[0], entry[read[0]].dtype))
-            written = _written_into(optimizer.state.get(params[place])
-                                    if len(params) == len(ids) else None, entry)
-            if written is not None:  # counted: every cache of the entry is built again
-                written[REFUSED_LOAD] = ("a load refused for it had already written int8 codes "
-                                         "into its state as floats")
+            if read:
+                refused.append((gi, index, read[0], entry[read[0]].dtype))
+    if not refused:
+        return [{k: v for k, v in saved.items() if k != KEY} for saved in saved_groups]
+    written_into_own = False
+    for saved, group in zip(saved_groups, optimizer.param_groups):
+        ids, params = saved.get("params", []), group["params"]
+        if len(ids) != len(params):  # not this optimizer's groups (torch's load refuses)
+            continue
+        for index, p in zip(ids, params):
+            own = _written_into(optimizer.state.get(p), state.get(index) or {})
+            if own is not None:  # counted: every cache of the entry is built again
+                own[REFUSED_LOAD] = ("a load refused for this optimizer had already written "
+                                     "into its state (int8 codes read as floats, or a "
+                                     "checkpoint's values beside them)")
                 written_into_own = True
-    if refused:
-        gi, index, name, dtype = refused[0]
-        raise ValueError(
-            f"state_dict['state'][{index!r}][{name!r}] is {dtype}, yet it was saved holding "
-            f"int8 codes (param_groups[{gi}]['{KEY}']): read through the state_dict of an "
-            "optimizer with another state_dtype? (torch.distributed.checkpoint loads into the "
-            "keys and dtypes of the state_dict it is given"
-            + ("; it wrote into this optimizer's own state, whose entries it wrote refuse to "
-               "step until deleted or a state_dict loads" if written_into_own else "")
-            + ".) Load it into an optimizer made with state_dtype=torch.int8, then set the "
-            "groups' state_dtype (converted at the next step)")
-    return [{k: v for k, v in saved.items() if k != KEY} for saved in saved_groups]
+    gi, index, name, dtype = refused[0]
+    raise ValueError(
+        f"state_dict['state'][{index!r}][{name!r}] is {dtype}, yet it was saved holding int8 "
+        f"codes (param_groups[{gi}]['{KEY}']): read through the state_dict of an optimizer "
+        "with another state_dtype? (torch.distributed.checkpoint loads into the keys and "
+        "dtypes of the state_dict it is given"
+        + ("; it wrote into this optimizer's own state, and each entry it wrote refuses to "
+           "step until deleted or a state_dict (DCP's too) loads" if written_into_own else "")
+        + ".) Load it into an optimizer made with state_dtype=torch.int8, then set the "
+        "groups' state_dtype (converted at the next step)")
 
 
 def _written_into(own, entry):

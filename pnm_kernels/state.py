@@ -137,12 +137,6 @@ def tracked(state) -> OptimizerState:
     return OptimizerState(None, state)
 
 
-def plain_state_entries(optimizer, state_dict) -> None:
-    """state_dict post-hook: plain dicts, which torch.load(weights_only=True) accepts."""
-    state_dict["state"] = {key: dict(entry) if isinstance(entry, ParamState) else entry
-                           for key, entry in state_dict["state"].items()}
-
-
 def as_step(step, p) -> torch.Tensor:
     """A step counter as the backends take it: a STEP_DTYPE tensor on its parameter's device
     (a Python int in the authors' checkpoints; one set by hand may be anything numeric)."""

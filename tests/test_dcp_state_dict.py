@@ -4,6 +4,7 @@ state_dtype; int8 codes read through the state of another state_dtype are refuse
 entry, and the entries DCP had already written them into refuse to step. On two FSDP2 ranks:
 tests/test_distributed.py. (docs/design.md §8, docs/training.md.)"""
 import copy
+import io
 
 import pytest
 import torch
@@ -106,6 +107,9 @@ def test_state_dtype_is_saved_by_name_and_loads_in_either_form(saved_as):
     into = PNM(into_params, lr=1e-2, state_dtype=torch.bfloat16)
     into.load_state_dict(saved)
     assert into.param_groups[0]["state_dtype"] is torch.bfloat16
+    # groups made from the saved ones, as code that rebuilds an optimizer does
+    rebuilt = PNM([{**group, "params": into_params} for group in saved["param_groups"]])
+    assert rebuilt.param_groups[0]["state_dtype"] is torch.bfloat16
     _run(opt, params, 2, first=2)
     _run(into, into_params, 2, first=2)
     assert_same_bits(into, into_params, opt, params)
@@ -145,31 +149,76 @@ def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(nam
 def test_entries_a_refused_load_wrote_into_refuse_to_step_until_deleted_or_loaded(name,
                                                                                  tmp_path):
     """dcp.load writes into the tensors of the state_dict it is given, the loading
-    optimizer's own: when load_state_dict refuses, each entry saved holding codes already
-    holds them as floats. Those entries are marked, and a step refuses them naming the
-    parameter, touching nothing; deleted, the parameter starts afresh, and a state_dict
-    loaded clears them."""
-    options = LAYOUTS["nested"]
-    opt, params = _saved(name, torch.int8, options, str(tmp_path))
-    model, into, into_params, loaded = _read_into(name, torch.bfloat16, options, str(tmp_path))
+    optimizer's own: when load_state_dict refuses, the entries saved holding codes already
+    hold them as floats, the others the checkpoint's values. Every entry so written is
+    marked, and a step refuses it naming the parameter, touching nothing; deleted, a
+    parameter starts afresh; a state_dict loaded, through DCP too, clears the marks (which
+    state_dict() leaves out: DCP would ask the checkpoint for them)."""
+    options, mark = LAYOUTS["nested"], "written_by_refused_load"
+    _saved(name, torch.int8, options, str(tmp_path / "int8"))
+    model, into, into_params, loaded = _read_into(name, torch.bfloat16, options,
+                                                  str(tmp_path / "int8"))
     with pytest.raises(ValueError, match="it wrote into this optimizer's own state"):
         set_optimizer_state_dict(model, into, loaded, options=options)
-    written = [p for p in into_params if p.dim() >= 2]  # the parameters holding int8 codes
-    assert all("written_by_refused_load" in into.state[p] for p in written)
-    assert "written_by_refused_load" not in into.state[into_params[-1]]
+    assert all(mark in into.state[p] for p in into_params)
+    assert not any(mark in entry for entry in into.state_dict()["state"].values())
     before = [(p.detach().clone(), copy.deepcopy(dict(into.state[p]))) for p in into_params]
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] .*: a load "
-                                           r"refused for it had already written int8 codes"):
+                                           r"refused for this optimizer had already written"):
         _run(into, into_params, 1, first=1)
     for p, (value, entry) in zip(into_params, before):
         assert torch.equal(p, value)
         assert_same_entry(into.state[p], entry)
-    del into.state[written[0]]
+    deleted = into.state.pop(into_params[0])  # the next marked entry is refused
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[1\]"):
         _run(into, into_params, 1, first=1)
-    into.load_state_dict(round_trip(opt.state_dict()))  # converts to bfloat16 at its step
-    assert not any("written_by_refused_load" in into.state[p] for p in into_params)
-    _run(into, into_params, 1, first=4)
+    into.state[into_params[0]] = deleted  # for DCP's template: every entry
+    opt, params = _saved(name, torch.bfloat16, options, str(tmp_path / "bf16"))
+    loaded = {"optim": get_optimizer_state_dict(model, into, options=options)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path / "bf16"))
+    set_optimizer_state_dict(model, into, loaded["optim"], options=options)
+    assert not any(mark in into.state[p] for p in into_params)
+    for p, q in zip(into_params, params):
+        p.data.copy_(q)
+    _run(opt, params, 2, first=4)
+    _run(into, into_params, 2, first=4)
+    assert_same_bits(into, into_params, opt, params)
+
+
+@pytest.mark.parametrize("copied", ["deepcopy", "pickle"])
+def test_the_saved_form_survives_a_copy_of_the_optimizer(copied):
+    """torch pickles (and deep-copies) an optimizer without its hooks: a copy's state_dict
+    still holds plain entries (torch.load(weights_only=True) reads them), state_dtype by
+    name and the int8 codes' mark."""
+    params = _params()
+    opt = PNM(params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 2)
+    if copied == "deepcopy":
+        copy_params, copy_opt = copy.deepcopy((params, opt))
+    else:
+        copy_params, copy_opt = round_trip_pickle((params, opt))
+    saved = round_trip(copy_opt.state_dict())
+    assert saved["param_groups"][0]["state_dtype"] == "int8"
+    assert saved["param_groups"][0]["saved_int8_codes"] == (
+        "0:pos_momentum,0:neg_momentum,1:pos_momentum,1:neg_momentum")
+    original = round_trip(opt.state_dict())
+    # (torch's unpickling gives the groups its own "differentiable": False)
+    assert [{k: v for k, v in g.items() if k != "differentiable"}
+            for g in saved["param_groups"]] == original["param_groups"]
+    assert saved["state"].keys() == original["state"].keys()
+    for key, entry in saved["state"].items():
+        assert_same_entry(entry, original["state"][key])
+    _run(copy_opt, copy_params, 1, first=2)
+    _run(opt, params, 1, first=2)
+    assert_same_bits(copy_opt, copy_params, opt, params)
+
+
+def round_trip_pickle(obj):
+    """Through torch.save and torch.load of whole objects, as a pickled optimizer goes."""
+    buffer = io.BytesIO()
+    torch.save(obj, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=False)
 
 
 @pytest.mark.parametrize("layout,appended_by_hand", [("nested", False), ("flattened", False),
@@ -188,7 +237,7 @@ def test_codes_of_a_group_partly_converted_are_refused_through_float_state(
     opt.param_groups[0]["state_dtype"] = torch.int8
     params[1].grad = None
     _run(opt, params[:1], 2, first=2)
-    assert opt.state_dict()["param_groups"][0]["saved_int8_codes"] == "0"
+    assert opt.state_dict()["param_groups"][0]["saved_int8_codes"] == "0:pos_momentum,0:neg_momentum"
     dcp.save({"optim": get_optimizer_state_dict(_module_of(params), opt, options=options)},
              checkpoint_id=str(tmp_path))
     into_params = _params(seed=1, shapes=[(4, 256), (4, 256)])
