@@ -54,6 +54,16 @@ def _module_of(params):
     return module
 
 
+def _continue_alike(into, into_params, opt, params, steps):
+    """A loaded optimizer (its parameters given the saved run's values) and the run it was
+    saved from, from step 4 on: bitwise alike, state included."""
+    for p, q in zip(into_params, params):
+        p.data.copy_(q)
+    _run(opt, params, steps, first=4)
+    _run(into, into_params, steps, first=4)
+    assert_same_bits(into, into_params, opt, params)
+
+
 def _saved(name, state_dtype, options, checkpoint, steps=4, **kwargs):
     """An optimizer trained `steps` steps, saved through DCP in this layout."""
     params = _params()
@@ -87,11 +97,7 @@ def test_every_layout_resumes_bitwise(name, state_dtype, layout, tmp_path):
     opt, params = _saved(name, dtype, options, str(tmp_path))
     model, into, into_params, loaded = _read_into(name, dtype, options, str(tmp_path))
     set_optimizer_state_dict(model, into, loaded, options=options)
-    for p, q in zip(into_params, params):
-        p.data.copy_(q)
-    _run(opt, params, 3, first=4)
-    _run(into, into_params, 3, first=4)
-    assert_same_bits(into, into_params, opt, params)
+    _continue_alike(into, into_params, opt, params, steps=3)
 
 
 @pytest.mark.parametrize("saved_as", ["name", "torch.dtype"])
@@ -138,11 +144,7 @@ def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(nam
     expected_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
     expected = OPTIMIZERS[name](expected_params, lr=1e-2)
     expected.load_state_dict(round_trip(opt.state_dict()))
-    for p, q in zip(into_params, params):
-        p.data.copy_(q)
-    _run(into, into_params, 1, first=4)
-    _run(expected, expected_params, 1, first=4)
-    assert_same_bits(into, into_params, expected, expected_params)
+    _continue_alike(into, into_params, expected, expected_params, steps=1)
 
 
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
@@ -178,11 +180,7 @@ def test_entries_a_refused_load_wrote_into_refuse_to_step_until_deleted_or_loade
     dcp.load(loaded, checkpoint_id=str(tmp_path / "bf16"))
     set_optimizer_state_dict(model, into, loaded["optim"], options=options)
     assert not any(mark in into.state[p] for p in into_params)
-    for p, q in zip(into_params, params):
-        p.data.copy_(q)
-    _run(opt, params, 2, first=4)
-    _run(into, into_params, 2, first=4)
-    assert_same_bits(into, into_params, opt, params)
+    _continue_alike(into, into_params, opt, params, steps=2)
 
 
 @pytest.mark.parametrize("copied", ["deepcopy", "pickle"])
