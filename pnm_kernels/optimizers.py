@@ -35,7 +35,6 @@ class _PositiveNegativeMomentum(Optimizer):
     _step_supports_amp_scaling = True
 
     def __init__(self, params, defaults):
-        defaults = {**defaults, "state_dtype": state_dtype_from_saved(defaults["state_dtype"])}
         validate_group(dict(defaults, params=[]), self._adaptive, "defaults")
         super().__init__(params, defaults)
         self.state = OptimizerState()
@@ -129,7 +128,8 @@ class _PositiveNegativeMomentum(Optimizer):
 
     def add_param_group(self, param_group: dict) -> None:
         where = f"param_groups[{len(self.param_groups)}]"
-        if "state_dtype" in param_group:  # by name, as a state_dict holds it, too
+        # A group made from a saved one names its state_dtype (the keyword takes a dtype).
+        if "state_dtype" in param_group:
             param_group["state_dtype"] = state_dtype_from_saved(param_group["state_dtype"])
         validate_group({**self.defaults, **param_group}, self._adaptive, where)
         params = param_group.get("params")
