@@ -18,6 +18,7 @@
 #include "emulated_cuda.h"
 #include "step_call.h"
 #include "step_lists.h"
+#include "written_memory.h"
 
 namespace pnm {
 namespace {
@@ -184,6 +185,13 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
   m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
   m.def("_cpu_isa() -> str", &pnm::cpu_isa);
+  auto written_memory =
+      m.class_<pnm::WrittenMemory>("WrittenMemory")
+          .def(torch::init<>())
+          .def("add", &pnm::WrittenMemory::add)
+          .def("clear", &pnm::WrittenMemory::clear)
+          .def("add_stepped", &pnm::WrittenMemory::add_stepped)
+          .def("grads_met", &pnm::WrittenMemory::grads_met);
   m.class_<pnm::StepLists>("StepLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
@@ -198,7 +206,10 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("drop_taken_grads", &pnm::StepLists::drop_taken_grads)
       .def("hold_outside", &pnm::StepLists::hold_outside)
       .def("held_lists_ok", &pnm::StepLists::held_lists_ok)
-      .def("bump_versions", &pnm::StepLists::bump_versions);
+      .def("bump_versions", &pnm::StepLists::bump_versions)
+      .def("watch_written", &pnm::StepLists::watch_written);
+  // (add_lists takes a StepLists, registered after: each class names only those before it.)
+  written_memory.def("add_lists", &pnm::WrittenMemory::add_lists);
   m.class_<pnm::StateLists>("StateLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,
                        std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

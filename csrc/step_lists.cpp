@@ -241,10 +241,16 @@ bool StepLists::own_grads(OwnGrads& own) const {
   }
   if (own.grads.size() == params.size()) {
     own.present.clear();
-    return first_mismatched_grad(params, own.grads, /*same_layout=*/true) < 0;
+    if (first_mismatched_grad(params, own.grads, /*same_layout=*/true) >= 0) return false;
+  } else if (first_mismatched_grad(BorrowedSubset(params, own.present).get(), own.grads,
+                                   /*same_layout=*/true) >= 0) {
+    return false;
   }
-  return first_mismatched_grad(BorrowedSubset(params, own.present).get(), own.grads,
-                               /*same_layout=*/true) < 0;
+  return !written_ || written_->first_met(own.grads) < 0;
+}
+
+void StepLists::watch_written(c10::intrusive_ptr<WrittenMemory> written) {
+  written_ = std::move(written);
 }
 
 // Through the dispatcher, as a direct call from Python goes: the same checks, the same

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "step_call.h"
+#include "written_memory.h"
 
 namespace pnm {
 
@@ -94,6 +95,11 @@ struct StepLists : torch::CustomClassHolder {
   // anyway (ExpectMemory), and refuse.
   bool memory_unchanged() const;
 
+  // The memory every held list of the repeated step writes (all its batches'): a step with
+  // the held parameters' own gradients declines, having done nothing, when a gradient lies
+  // in it (`p.grad = q.data` between steps), and the careful path then names it.
+  void watch_written(c10::intrusive_ptr<WrittenMemory> written);
+
   // For the Triton step, which writes through raw pointers: the version counters of the
   // params, the first num_buffers buffers and the counters (see bump_versions in
   // step_call.h).
@@ -121,6 +127,7 @@ struct StepLists : torch::CustomClassHolder {
   OwnGrads taken;  // see take_own_grads
   bool has_taken = false;
   std::vector<at::Tensor> outside;  // see hold_outside
+  c10::intrusive_ptr<WrittenMemory> written_;  // see watch_written
   // The memory of params, buffer0..3 and steps (HeldMemory's blocks) when the lists were
   // made.
   HeldMemory memory_;

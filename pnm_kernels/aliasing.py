@@ -7,8 +7,11 @@ aliased memory another way (the reference one tensor after another, the kernels 
 so a state tensor put under two keys or parameters by hand, or made a view of another's
 memory, is refused before anything is touched. Checked where a step's lists are built (after
 any edit of the state), not at every step."""
+import bisect
+
 import torch
 
+from ._ops import extension_error
 from .params import local
 
 # What a tensor is to its parameter, besides one of its state's keys.
@@ -104,6 +107,60 @@ class MemoryClaims:
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
+def written_memory():
+    """Where the tensors held between steps lie (every cached batch's parameters, buffers,
+    counters), to find a gradient put into that memory since (`p.grad = q.data`) on a step
+    that builds no lists: csrc/written_memory.h's WrittenMemory, or the same in Python
+    without the extension."""
+    if extension_error() is None:
+        return torch.classes.pnm_kernels.WrittenMemory()
+    return WrittenSpans()
+
+
+class WrittenSpans:
+    """WrittenMemory in Python (a Triton-only install): each tensor's whole extent."""
+
+    def __init__(self) -> None:
+        self._spans: list[tuple[int, int]] = []
+        self._stepped: list = []
+
+    def add(self, tensors) -> None:
+        self._spans += filter(None, map(_extent_of, tensors))
+
+    def add_stepped(self, params) -> None:
+        self._stepped += params
+
+    def clear(self) -> None:
+        self._spans, self._stepped = [], []
+
+    def grads_met(self, grads, also) -> bool:
+        grads = list(grads) + [p.grad for p in self._stepped if p.grad is not None]
+        merged: list[list[int]] = []  # sorted and disjoint: their ends sorted too
+        for start, end in sorted(self._spans + [s for s in map(_extent_of, also) if s]):
+            if merged and start <= merged[-1][1]:
+                merged[-1][1] = max(merged[-1][1], end)
+            else:
+                merged.append([start, end])
+        starts = [start for start, _ in merged]
+        for span in filter(None, map(_extent_of, grads)):
+            k = bisect.bisect_left(starts, span[1])  # the spans starting before its end
+            if k and merged[k - 1][1] > span[0]:
+                return True
+        return False
+
+
+def _extent_of(t):
+    """The bytes [start, end) a strided tensor's elements span; None without memory."""
+    if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided:
+        return None
+    try:
+        start = t.data_ptr()
+    except RuntimeError:
+        return None
+    extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
+    return start, start + extent * t.element_size()
 
 
 def _overlaps_itself(t: torch.Tensor, extent: int) -> bool:

@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ._ops import extension_error
-from .aliasing import GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError
+from .aliasing import GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError, written_memory
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
                             own_state)
@@ -38,6 +38,10 @@ class BatchCache:
         # memory and state, plan.run): a batch built of these alone, the state unchanged,
         # cannot share memory with the batches reused beside it.
         self._claimed: tuple = (None, {})
+        # Where every cached batch's tensors lie (grad_in_written), made again when read
+        # after the entries changed.
+        self._written = written_memory()
+        self._written_stale = False
 
     def version(self, optimizer):
         return self.watch.version(optimizer)
@@ -46,6 +50,8 @@ class BatchCache:
         """Forgets every cached list, letting go of the tensors they hold."""
         self.watch.drop()
         self._entries.clear()
+        self._written.clear()
+        self._written_stale = False
         self.drops += 1
 
     def lookup(self, optimizer, group, backend, names, ids) -> Optional[Batch]:
@@ -109,6 +115,7 @@ class BatchCache:
                          batch.offsets, batch.scales)
             self._entries[_key(group, backend, names, item.ids)] = (
                 version, held)
+            self._written_stale = True
         return batch, writebacks
 
     def build(self, optimizer, group, params, names, flat):
@@ -155,6 +162,35 @@ class BatchCache:
                 claims.add(p, p, PARAMETER)
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, names)
+
+    def grad_in_written(self, optimizer, plan, reused, names) -> bool:
+        """Whether a gradient of the step lies in memory a cached batch writes, or, beside
+        the reused batches, memory a batch to build writes: put there since the lists were
+        built and their memory checked (`p.grad = q.data`), which neither the held lists nor
+        the record of what was checked together (claimed_together) see. The cached batches'
+        gradients are read in C++ (add_stepped); a shard's is its DTensor's, given here."""
+        if self._written_stale:
+            self._written.clear()
+            for _, batch in self._entries.values():
+                self._written.add(_held_tensors(batch))
+                if not (batch.held and batch.held.shards):
+                    self._written.add_stepped(batch.params)
+            self._written_stale = False
+        grads: list = []
+        also: list = []
+        state = optimizer.state
+        for item, item_names, batch in zip(plan, names, reused):
+            if batch is not None:
+                if batch.held and batch.held.shards:
+                    grads += batch.grads
+                continue
+            grads += map(local, item.grads)
+            keys = keys_read(item_names)
+            for p in item.params:
+                also.append(local(p))
+                also += [local(t) for key, t in (state.get(p) or {}).items()
+                         if key in keys and isinstance(t, torch.Tensor)]
+        return self._written.grads_met(grads, also)
 
     def claimed_together(self, optimizer, built, reused, names) -> bool:
         """Whether the parameters of the batches to build were checked together with those
@@ -300,6 +336,13 @@ def _span_of(t):
     except RuntimeError:  # no storage (a sparse tensor in a user's key): nothing to locate
         return None
 
+
+
+def _held_tensors(batch: Batch) -> list:
+    """Every tensor a cached batch writes: parameters, buffers, counters, seeds, scales."""
+    tensors = [*batch.params, *(b for bs in batch.buffers for b in bs), *batch.steps,
+               *(batch.seeds or ()), *(s for ss in batch.scales or () for s in ss)]
+    return [t for t in tensors if t is not None]
 
 
 def _local_or_none(t):

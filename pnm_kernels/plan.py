@@ -241,6 +241,12 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         # that its memory is checked against all the others' (one reused before the drop
         # would not be).
         reused = [None] * len(plan)
+    elif any(batch is not None for batch in reused) and cache.grad_in_written(
+            optimizer, plan, reused, item_names):
+        # A gradient put into memory the step writes since it was checked: every batch is
+        # built again, all checked together below, which names it.
+        cache.drop()
+        reused = [None] * len(plan)
     claims = MemoryClaims()  # the tensors met: memory shared between them is refused
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted

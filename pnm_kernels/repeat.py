@@ -12,6 +12,7 @@ from typing import Optional
 
 import torch
 
+from .aliasing import written_memory
 from .backends import BACKENDS
 from .backends.base import Batch, HeldLists, Scaling, step_lists
 from .batching import BatchCache
@@ -95,6 +96,12 @@ class RepeatedStep:
                                      _plan_keys(group, group_names), held_batches))
         if k == len(items):
             flat = [(held, batch) for held in entries for batch in held.batches]
+            # Every batch's lists decline a gradient in memory any of them writes.
+            written = written_memory()
+            for _, batch in flat:
+                written.add_lists(batch.held.step_lists)
+            for _, batch in flat:
+                batch.held.step_lists.watch_written(written)
             self._last = (cache.version(optimizer), entries, flat)
 
     def run(self, optimizer, scaling: Scaling, planner: Planner, cache: BatchCache,

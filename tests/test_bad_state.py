@@ -8,7 +8,9 @@ import torch
 
 import cases
 from cases import FAST_PATHS
-from conftest import DEVICE, OPTIMIZERS, assert_same_bits, assert_same_entry, make_params, train
+from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_same_entry,
+                      assert_states_close, make_params, train, with_reference)
+from internals import triton_only_install
 
 
 def _assert_step_refused_untouched(opt, params, match):
@@ -214,6 +216,92 @@ def test_a_gradient_in_its_parameters_memory_is_refused_before_any_change(path, 
     assert all(torch.equal(p, b) for p, b in zip(params, before))
     steps = 0 if when == "first step" else 3
     assert not opt.state or all(int(opt.state[p]["step"]) == steps for p in opt.state)
+
+
+# A gradient put, between steps, into memory the step writes that is not its own parameter's
+# (that one: the test above).
+def _first_buffer(opt, p):
+    return next(t for k, t in opt.state[p].items() if k not in ("step", "seed"))
+
+
+def _where(gi, pi):
+    return f"param_groups[{gi}]['params'][{pi}]"
+
+
+# (the parameter given the gradient, the gradient, the places the refusal names)
+GRADIENT_PLACES = {
+    "another parameter of its group":
+        (0, lambda opt, params: params[1].data, (_where(0, 0), _where(0, 1))),
+    "another parameter's state buffer":
+        (0, lambda opt, params: _first_buffer(opt, params[1]), (_where(0, 0), _where(0, 1))),
+    "a parameter of another group":
+        (2, lambda opt, params: params[0].data, (_where(1, 0), _where(0, 0))),
+    "a parameter of a group never held":
+        (0, lambda opt, params: params[3].data, (_where(0, 0), _where(2, 0))),
+    "a held parameter, from a group never held":
+        (3, lambda opt, params: params[2].data, (_where(2, 0), _where(1, 0))),
+}
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["own-dtype-state",
+                                                                      "bf16-state"])
+@pytest.mark.parametrize("place", list(GRADIENT_PLACES))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_gradient_put_into_memory_the_step_writes_is_refused_before_any_change(
+        path, name, place, state_dtype):
+    """`p.grad = q.data` (or a buffer of q's state) after steps whose lists are held, and
+    repeated (state in the parameters' dtype, every group held) or planned each step
+    (bfloat16 state, or beside a group whose lists are built every step: foreach's), in one
+    group, across groups, and across a group never held and a held one:
+    each backend would read it before or after writing it, so every one refuses it, naming
+    both, as the reference does."""
+    _gradient_put_into_written_memory(path, name, place, state_dtype)
+
+
+@pytest.mark.parametrize("place", list(GRADIENT_PLACES))
+@cases.parametrize(["triton"])
+def test_a_gradient_put_into_memory_the_step_writes_without_the_compiled_extension(
+        path, name, place, monkeypatch):
+    """The same on a Triton-only install, whose held batches' memory is kept in Python."""
+    triton_only_install(monkeypatch)
+    _gradient_put_into_written_memory(path, name, place, torch.bfloat16)
+
+
+def _gradient_put_into_written_memory(path, name, place, state_dtype):
+    if state_dtype is not None and place == "another parameter's state buffer":
+        pytest.skip("a bfloat16 buffer cannot be a float32 parameter's gradient")
+    params = make_params([(8,), (8,), (8,), (8,)])
+    third = "foreach" if "never held" in place else path  # else all held: the step repeats
+    opt = OPTIMIZERS[name]([dict(params=params[:2]), dict(params=params[2:3]),
+                            dict(params=params[3:], backend=third)],
+                           backend=path, state_dtype=state_dtype)
+    train(opt, params, 3)
+    i, target, named = GRADIENT_PLACES[place]
+    values = [p.detach().clone() for p in params]
+    steps = [opt.state[p]["step"].clone() for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    params[i].grad = target(opt, params)
+    with pytest.raises(RuntimeError, match="gradient") as refused:
+        opt.step()
+    assert all(where in str(refused.value) for where in named), refused.value
+    for p, v, s in zip(params, values, steps):
+        assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+@cases.parametrize(FAST_PATHS)
+def test_a_gradient_in_memory_of_a_parameter_that_does_not_step_steps_as_the_reference(
+        path, name):
+    """Not refused: a parameter without a gradient writes nothing, so another's gradient may
+    be its memory (`p.grad = frozen.data`). The repeated step, whose lists hold the parameter
+    without a gradient too, and the planned one agree with the reference."""
+    opt, params, ref, ref_params = with_reference(name, path, [(8,), (8,), (5,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        for t in range(3):
+            ps[0].grad, ps[1].grad, ps[2].grad = ps[1].detach(), None, torch.full((5,), 0.5)
+            o.step()
+    assert_states_close(opt, params, ref, ref_params)
 
 
 # Two parameters that are columns of one tensor: every other one, or a block each (a fused

@@ -1,0 +1,180 @@
+// WrittenMemory's methods (written_memory.h).
+#include "written_memory.h"
+
+#include <algorithm>
+#include <utility>
+
+#include "step_lists.h"
+
+namespace pnm {
+namespace {
+
+// Two filters of hashed granules: a span of up to kSmallGranules 256-byte granules (the
+// common small tensor: CPU and CUDA allocators pack those side by side, gradients among
+// parameters, so that coarse granules would all be marked) marks those; a larger one marks
+// 64 KiB granules. A gradient over more small granules than that is searched for at once (a
+// held small span may lie inside it).
+constexpr int kFineShift = 8;
+constexpr int kCoarseShift = 16;
+constexpr uintptr_t kSmallGranules = 16;
+
+// The bytes a strided tensor's elements span (none without memory of its own: a meta tensor's
+// storage has no data). Read from the TensorImpl: thousands of gradients a step.
+bool span_of(const at::Tensor& t, uintptr_t& begin, uintptr_t& end) {
+  if (!t.defined()) return false;
+  const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
+  if (!impl->has_storage() || impl->layout() != at::kStrided) return false;
+  const int64_t numel = impl->numel();
+  const void* data = impl->unsafe_storage().data();
+  if (numel == 0 || data == nullptr) return false;
+  int64_t extent = numel;
+  if (!impl->is_contiguous()) {
+    extent = 1;
+    const c10::IntArrayRef sizes = impl->sizes(), strides = impl->strides();
+    for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
+  }
+  const auto size = static_cast<uintptr_t>(impl->itemsize());
+  begin = reinterpret_cast<uintptr_t>(data) +
+          static_cast<uintptr_t>(impl->storage_offset()) * size;
+  end = begin + static_cast<uintptr_t>(extent) * size;
+  return true;
+}
+
+inline uint64_t filter_slot(uintptr_t granule, int bits) {
+  return (static_cast<uint64_t>(granule) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
+}
+
+inline uintptr_t granules_of(uintptr_t begin, uintptr_t end, int shift) {
+  return ((end - 1) >> shift) - (begin >> shift) + 1;
+}
+
+inline bool is_small(uintptr_t begin, uintptr_t end) {
+  return granules_of(begin, end, kFineShift) <= kSmallGranules;
+}
+
+}  // namespace
+
+void WrittenMemory::add_tensor(const at::Tensor& t) {
+  uintptr_t begin = 0, end = 0;
+  if (!span_of(t, begin, end)) return;
+  spans_.push_back({begin, end});
+  sealed_ = false;
+}
+
+void WrittenMemory::add(std::vector<at::Tensor> tensors) {
+  for (const at::Tensor& t : tensors) add_tensor(t);
+}
+
+void WrittenMemory::add_lists(const c10::intrusive_ptr<StepLists>& lists) {
+  for (const std::vector<at::Tensor>* list :
+       {&lists->params, &lists->buffer0, &lists->buffer1, &lists->buffer2, &lists->buffer3,
+        &lists->steps}) {
+    for (const at::Tensor& t : *list) add_tensor(t);
+  }
+}
+
+void WrittenMemory::add_stepped(std::vector<at::Tensor> params) {
+  stepped_.insert(stepped_.end(), params.begin(), params.end());
+}
+
+void WrittenMemory::clear() {
+  spans_.clear();
+  stepped_.clear();
+  fine_ = Filter();
+  coarse_ = Filter();
+  sealed_ = true;
+}
+
+void WrittenMemory::seal() {
+  if (sealed_) return;
+  std::sort(spans_.begin(), spans_.end(),
+            [](const Span& a, const Span& b) { return a.begin < b.begin; });
+  size_t kept = 0;
+  for (const Span& s : spans_) {
+    if (kept > 0 && s.begin <= spans_[kept - 1].end) {
+      spans_[kept - 1].end = std::max(spans_[kept - 1].end, s.end);
+    } else {
+      spans_[kept++] = s;
+    }
+  }
+  spans_.resize(kept);
+  uintptr_t fine = 0, coarse = 0;
+  for (const Span& s : spans_) {
+    if (is_small(s.begin, s.end)) fine += granules_of(s.begin, s.end, kFineShift);
+    else coarse += granules_of(s.begin, s.end, kCoarseShift);
+  }
+  fine_.size(fine);
+  coarse_.size(coarse);
+  for (const Span& s : spans_) {
+    if (is_small(s.begin, s.end)) fine_.mark(s.begin, s.end, kFineShift);
+    else coarse_.mark(s.begin, s.end, kCoarseShift);
+  }
+  sealed_ = true;
+}
+
+void WrittenMemory::Filter::size(uintptr_t granules) {
+  // Eight bits or more a marked granule: few false hits, each costing only a search.
+  bits = 10;
+  while (bits < 26 && (uintptr_t{1} << bits) < 8 * granules) ++bits;
+  words.assign((size_t{1} << bits) / 64, 0);
+}
+
+void WrittenMemory::Filter::mark(uintptr_t begin, uintptr_t end, int shift) {
+  for (uintptr_t g = begin >> shift; g <= (end - 1) >> shift; ++g) {
+    const uint64_t slot = filter_slot(g, bits);
+    words[slot / 64] |= uint64_t{1} << (slot % 64);
+  }
+}
+
+bool WrittenMemory::Filter::marked(uintptr_t begin, uintptr_t end, int shift) const {
+  for (uintptr_t g = begin >> shift; g <= (end - 1) >> shift; ++g) {
+    const uint64_t slot = filter_slot(g, bits);
+    if ((words[slot / 64] >> (slot % 64)) & 1) return true;
+  }
+  return false;
+}
+
+bool WrittenMemory::meets(uintptr_t begin, uintptr_t end) const {
+  if (is_small(begin, end) && !fine_.marked(begin, end, kFineShift) &&
+      !coarse_.marked(begin, end, kCoarseShift)) {
+    return false;
+  }
+  // The first span ending after `begin` (merged spans: their ends are sorted too).
+  const auto it = std::upper_bound(spans_.begin(), spans_.end(), begin,
+                                   [](uintptr_t b, const Span& s) { return b < s.end; });
+  return it != spans_.end() && it->begin < end;
+}
+
+bool WrittenMemory::met(const at::Tensor& grad) const {
+  uintptr_t begin = 0, end = 0;
+  return span_of(grad, begin, end) && meets(begin, end);
+}
+
+int64_t WrittenMemory::first_met(const std::vector<at::Tensor>& grads) {
+  seal();
+  if (spans_.empty()) return -1;
+  for (size_t i = 0; i < grads.size(); ++i) {
+    if (met(grads[i])) return static_cast<int64_t>(i);
+  }
+  return -1;
+}
+
+bool WrittenMemory::grads_met(std::vector<at::Tensor> grads, std::vector<at::Tensor> also) {
+  seal();
+  if (!spans_.empty()) {
+    for (const at::Tensor& p : stepped_) {
+      if (met(p.grad())) return true;
+    }
+    if (first_met(grads) >= 0) return true;
+  }
+  if (also.empty()) return false;
+  WrittenMemory built;
+  built.add(std::move(also));
+  if (built.first_met(grads) >= 0) return true;
+  for (const at::Tensor& p : stepped_) {
+    if (built.met(p.grad())) return true;
+  }
+  return false;
+}
+
+}  // namespace pnm

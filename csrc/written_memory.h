@@ -1,0 +1,59 @@
+// WrittenMemory, the custom class torch.classes.pnm_kernels.WrittenMemory: where the tensors a
+// step writes lie (held parameters, buffers, step counters), so that a gradient put into that
+// memory between steps (`p.grad = q.data`, a buffer of q's state) is seen by the steps that
+// build no lists, where every tensor's memory was checked (docs/design.md §5).
+#pragma once
+
+#include <ATen/core/Tensor.h>
+#include <torch/custom_class.h>
+
+#include <cstdint>
+#include <vector>
+
+namespace pnm {
+
+struct StepLists;
+
+class WrittenMemory : public torch::CustomClassHolder {
+ public:
+  // The memory of these tensors (a cached batch's, from Python), or of a StepLists' params,
+  // buffers and counters (the repeated step's, read in C++).
+  void add(std::vector<at::Tensor> tensors);
+  void add_lists(const c10::intrusive_ptr<StepLists>& lists);
+  // Parameters whose gradients grads_met reads here (a cached batch's): a planned step then
+  // converts none of its cached batches' gradients from Python for this check.
+  void add_stepped(std::vector<at::Tensor> params);
+  void clear();
+
+  // Whether a gradient of the parameters added (add_stepped) or of `grads` meets memory
+  // added, or that of any of `also` (a step's batches that are built, not cached).
+  bool grads_met(std::vector<at::Tensor> grads, std::vector<at::Tensor> also);
+  // The index of the first of these gradients that meets memory added; -1 when none does.
+  int64_t first_met(const std::vector<at::Tensor>& grads);
+
+ private:
+  struct Span {
+    uintptr_t begin, end;  // bytes [begin, end): a strided tensor's whole extent
+  };
+  void add_tensor(const at::Tensor& t);
+  void seal();  // sorts and merges the spans, and fills the filter
+  bool meets(uintptr_t begin, uintptr_t end) const;
+  bool met(const at::Tensor& grad) const;  // sealed
+
+  std::vector<Span> spans_;
+  std::vector<at::Tensor> stepped_;  // see add_stepped
+  bool sealed_ = true;
+  // Filters of hashed granules of memory (written_memory.cpp says which): a gradient none
+  // of whose granules is marked meets no span, found with a bit test or two where a search
+  // of the spans costs a dozen cache-missing comparisons; thousands of gradients a step.
+  struct Filter {
+    std::vector<uint64_t> words;
+    int bits = 0;
+    void size(uintptr_t granules);
+    void mark(uintptr_t begin, uintptr_t end, int shift);
+    bool marked(uintptr_t begin, uintptr_t end, int shift) const;
+  };
+  Filter fine_, coarse_;
+};
+
+}  // namespace pnm
