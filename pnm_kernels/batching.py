@@ -19,9 +19,8 @@ from .params import (describe, element_offset, holdable, kernel_batch, local, sh
                      shard_of)
 from .quantization import scale_name
 from .state import (REFUSED_LOAD, BufferShapeError, CodesWithoutScalesError, ParamState,
-                    StateValueError,
-                    StateWatch, check_state, claim_state, count_replacement, ensure_state,
-                    is_plain, keys_read)
+                    StateValueError, StateWatch, check_state, claim_state, count_replacement,
+                    ensure_state, is_plain, keys_read)
 
 _MAX_ENTRIES = 64
 

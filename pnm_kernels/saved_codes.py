@@ -14,9 +14,10 @@ How torch's state_dict utilities carry the key decides its form:
 - Every live group holds KEY too (None; only saved groups list places): with
   flatten_optimizer_state_dict=True they rebuild the loaded groups from the loading
   optimizer's own group keys, and would drop a key only saved groups held.
-- The places are one string ("0:exp_avg,2:exp_avg"): they flatten a list into a key per element, and with
-  full_state_dict take only the keys the loading optimizer's own state_dict has, so a list of
-  another length would be cut short, or (broadcast_from_rank0) reach rank 0 alone.
+- The places are one string ("0:exp_avg,2:exp_avg"): they flatten a list into a key per
+  element, and with full_state_dict take only the keys the loading optimizer's own
+  state_dict has, so a list of another length would be cut short, or (broadcast_from_rank0)
+  reach rank 0 alone.
 - The refusal does not ask whether scales came too: with broadcast_from_rank0, rank 0's
   entries get the checkpoint's keys the loading optimizer lacks (its scales), the other
   ranks' do not, and every rank must refuse alike.
@@ -29,8 +30,9 @@ naming it, until it is deleted or a state_dict loads (the mark stays out of stat
 that DCP's next load does not ask a checkpoint for it)."""
 import torch
 
+from .params import local
 from .quantization import SIGNED, scale_name
-from .state import CODE_DTYPES, REFUSED_LOAD, is_dtensor
+from .state import CODE_DTYPES, REFUSED_LOAD
 
 # The group key of state_dict(): where the group's state holds int8 codes.
 KEY = "saved_int8_codes"
@@ -128,8 +130,7 @@ def _written_into(own, entry):
 
 def _storage(t: torch.Tensor) -> int:
     """Where t's memory lies (0: none, an empty tensor's)."""
-    local = t.to_local() if is_dtensor(t) else t  # type: ignore[attr-defined]
-    return local.untyped_storage().data_ptr()
+    return local(t).untyped_storage().data_ptr()
 
 
 __all__ = ["KEY", "hold_key", "hold_key_pre_hook", "mark", "refuse_codes_read_as_values"]
