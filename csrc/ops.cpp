@@ -185,12 +185,13 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
   m.def("_cpu_isas() -> str[]", &pnm::cpu_isas);
   m.def("_cpu_isa() -> str", &pnm::cpu_isa);
+  m.class_<pnm::HeldParams>("HeldParams").def(torch::init<std::vector<at::Tensor>>());
   auto written_memory =
       m.class_<pnm::WrittenMemory>("WrittenMemory")
           .def(torch::init<>())
           .def("add", &pnm::WrittenMemory::add)
           .def("clear", &pnm::WrittenMemory::clear)
-          .def("add_stepped", &pnm::WrittenMemory::add_stepped)
+          .def("params_grads_met", &pnm::WrittenMemory::params_grads_met)
           .def("grads_met", &pnm::WrittenMemory::grads_met);
   m.class_<pnm::StepLists>("StepLists")
       .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>, std::vector<at::Tensor>,

@@ -73,13 +73,8 @@ void WrittenMemory::add_lists(const c10::intrusive_ptr<StepLists>& lists) {
   }
 }
 
-void WrittenMemory::add_stepped(std::vector<at::Tensor> params) {
-  stepped_.insert(stepped_.end(), params.begin(), params.end());
-}
-
 void WrittenMemory::clear() {
   spans_.clear();
-  stepped_.clear();
   fine_ = Filter();
   coarse_ = Filter();
   sealed_ = true;
@@ -159,22 +154,15 @@ int64_t WrittenMemory::first_met(const std::vector<at::Tensor>& grads) {
   return -1;
 }
 
-bool WrittenMemory::grads_met(std::vector<at::Tensor> grads, std::vector<at::Tensor> also) {
+bool WrittenMemory::params_grads_met(const c10::intrusive_ptr<HeldParams>& held) {
   seal();
-  if (!spans_.empty()) {
-    for (const at::Tensor& p : stepped_) {
-      if (met(p.grad())) return true;
-    }
-    if (first_met(grads) >= 0) return true;
-  }
-  if (also.empty()) return false;
-  WrittenMemory built;
-  built.add(std::move(also));
-  if (built.first_met(grads) >= 0) return true;
-  for (const at::Tensor& p : stepped_) {
-    if (built.met(p.grad())) return true;
+  if (spans_.empty()) return false;
+  for (const at::Tensor& p : held->params) {
+    if (met(p.grad())) return true;
   }
   return false;
 }
+
+bool WrittenMemory::grads_met(std::vector<at::Tensor> grads) { return first_met(grads) >= 0; }
 
 }  // namespace pnm

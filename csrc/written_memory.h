@@ -8,11 +8,19 @@
 #include <torch/custom_class.h>
 
 #include <cstdint>
+#include <utility>
 #include <vector>
 
 namespace pnm {
 
 struct StepLists;
+
+// A cached batch's parameters, held in C++ so that WrittenMemory reads their gradients there:
+// a planned step converts none of them from Python for the check.
+struct HeldParams : torch::CustomClassHolder {
+  explicit HeldParams(std::vector<at::Tensor> params) : params(std::move(params)) {}
+  std::vector<at::Tensor> params;
+};
 
 class WrittenMemory : public torch::CustomClassHolder {
  public:
@@ -20,14 +28,12 @@ class WrittenMemory : public torch::CustomClassHolder {
   // buffers and counters (the repeated step's, read in C++).
   void add(std::vector<at::Tensor> tensors);
   void add_lists(const c10::intrusive_ptr<StepLists>& lists);
-  // Parameters whose gradients grads_met reads here (a cached batch's): a planned step then
-  // converts none of its cached batches' gradients from Python for this check.
-  void add_stepped(std::vector<at::Tensor> params);
   void clear();
 
-  // Whether a gradient of the parameters added (add_stepped) or of `grads` meets memory
-  // added, or that of any of `also` (a step's batches that are built, not cached).
-  bool grads_met(std::vector<at::Tensor> grads, std::vector<at::Tensor> also);
+  // Whether a gradient of these parameters (a reused batch's), or one of these gradients,
+  // meets memory added.
+  bool params_grads_met(const c10::intrusive_ptr<HeldParams>& held);
+  bool grads_met(std::vector<at::Tensor> grads);
   // The index of the first of these gradients that meets memory added; -1 when none does.
   int64_t first_met(const std::vector<at::Tensor>& grads);
 
@@ -41,7 +47,6 @@ class WrittenMemory : public torch::CustomClassHolder {
   bool met(const at::Tensor& grad) const;  // sealed
 
   std::vector<Span> spans_;
-  std::vector<at::Tensor> stepped_;  // see add_stepped
   bool sealed_ = true;
   // Filters of hashed granules of memory (written_memory.cpp says which): a gradient none
   // of whose granules is marked meets no span, found with a bit test or two where a search

@@ -119,34 +119,43 @@ def written_memory():
     return WrittenSpans()
 
 
+def held_params(params):
+    """A cached batch's parameters as written_memory's lookups take them (HeldParams: their
+    gradients read in C++)."""
+    if extension_error() is None:
+        return torch.classes.pnm_kernels.HeldParams(params)
+    return list(params)
+
+
 class WrittenSpans:
     """WrittenMemory in Python (a Triton-only install): each tensor's whole extent."""
 
     def __init__(self) -> None:
         self._spans: list[tuple[int, int]] = []
-        self._stepped: list = []
+        self._merged: list[list[int]] = []
+        self._starts: list[int] = []
 
     def add(self, tensors) -> None:
         self._spans += filter(None, map(_extent_of, tensors))
-
-    def add_stepped(self, params) -> None:
-        self._stepped += params
+        self._merged = []  # sorted and disjoint (so their ends sorted too), made when read
 
     def clear(self) -> None:
-        self._spans, self._stepped = [], []
+        self._spans, self._merged = [], []
 
-    def grads_met(self, grads, also) -> bool:
-        grads = list(grads) + [p.grad for p in self._stepped if p.grad is not None]
-        merged: list[list[int]] = []  # sorted and disjoint: their ends sorted too
-        for start, end in sorted(self._spans + [s for s in map(_extent_of, also) if s]):
-            if merged and start <= merged[-1][1]:
-                merged[-1][1] = max(merged[-1][1], end)
-            else:
-                merged.append([start, end])
-        starts = [start for start, _ in merged]
+    def params_grads_met(self, params) -> bool:
+        return self.grads_met(p.grad for p in params)
+
+    def grads_met(self, grads) -> bool:
+        if not self._merged:
+            for start, end in sorted(self._spans):
+                if self._merged and start <= self._merged[-1][1]:
+                    self._merged[-1][1] = max(self._merged[-1][1], end)
+                else:
+                    self._merged.append([start, end])
+            self._starts = [start for start, _ in self._merged]
         for span in filter(None, map(_extent_of, grads)):
-            k = bisect.bisect_left(starts, span[1])  # the spans starting before its end
-            if k and merged[k - 1][1] > span[0]:
+            k = bisect.bisect_left(self._starts, span[1])  # the spans starting before its end
+            if k and self._merged[k - 1][1] > span[0]:
                 return True
         return False
 

@@ -9,7 +9,8 @@ from typing import Optional
 import torch
 
 from ._ops import extension_error
-from .aliasing import GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError, written_memory
+from .aliasing import (GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError, held_params,
+                       written_memory)
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
                             own_state)
@@ -166,22 +167,25 @@ class BatchCache:
         """Whether a gradient of the step lies in memory a cached batch writes, or, beside
         the reused batches, memory a batch to build writes: put there since the lists were
         built and their memory checked (`p.grad = q.data`), which neither the held lists nor
-        the record of what was checked together (claimed_together) see. The cached batches'
-        gradients are read in C++ (add_stepped); a shard's is its DTensor's, given here."""
+        the record of what was checked together (claimed_together) see. A reused batch's
+        gradients are read in C++ (HeldParams); a shard's is its DTensor's, given here."""
         if self._written_stale:
             self._written.clear()
             for _, batch in self._entries.values():
                 self._written.add(_held_tensors(batch))
-                if not (batch.held and batch.held.shards):
-                    self._written.add_stepped(batch.params)
             self._written_stale = False
-        grads: list = []
-        also: list = []
+        grads: list = []  # those given here
+        held: list = []  # reused batches' HeldParams
+        also: list = []  # what the batches to build write
         state = optimizer.state
         for item, item_names, batch in zip(plan, names, reused):
             if batch is not None:
-                if batch.held and batch.held.shards:
+                if batch.held.shards:
                     grads += batch.grads
+                else:
+                    if batch.held.params is None:
+                        batch.held.params = held_params(batch.params)
+                    held.append(batch.held.params)
                 continue
             grads += map(local, item.grads)
             keys = keys_read(item_names)
@@ -189,7 +193,14 @@ class BatchCache:
                 also.append(local(p))
                 also += [local(t) for key, t in (state.get(p) or {}).items()
                          if key in keys and isinstance(t, torch.Tensor)]
-        return self._written.grads_met(grads, also)
+        written = self._written
+        if written.grads_met(grads) or any(map(written.params_grads_met, held)):
+            return True
+        if not also:
+            return False
+        built = written_memory()
+        built.add(also)
+        return built.grads_met(grads) or any(map(built.params_grads_met, held))
 
     def claimed_together(self, optimizer, built, reused, names) -> bool:
         """Whether the parameters of the batches to build were checked together with those

@@ -39,6 +39,7 @@ class HeldLists:
     layouts: Any = None
     state_lists: dict = field(default_factory=dict)
     memory: Optional[list] = None  # held_memory, without the extension (else in StepLists)
+    params: Any = None  # aliasing.held_params, for BatchCache.grad_in_written
 
 
 @dataclass
