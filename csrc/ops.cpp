@@ -219,7 +219,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("pnm_step", &pnm::StateLists::pnm_step)
       .def("adapnm_step", &pnm::StateLists::adapnm_step);
   m.class_<pnm::HeldLayouts>("HeldLayouts")
-      .def(torch::init<std::vector<at::Tensor>>())
+      .def(torch::init<std::vector<at::Tensor>, std::vector<at::Tensor>>())
       .def("unchanged", &pnm::HeldLayouts::unchanged);
 }
 

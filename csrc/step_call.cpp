@@ -181,6 +181,9 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                     s.device() == device,
                 "pnm_kernels: steps[", i, "] must be a float64 tensor with one element on ",
                 device);
+    TORCH_CHECK(counts_whole_steps(s), "pnm_kernels: steps[", i, "] is ",
+                *static_cast<const double*>(s.const_data_ptr()),
+                ", not a whole number of steps >= 0");
     if (expected != nullptr) check_memory(*expected, 5, i, s, "steps");
   }
   // lr alone may be float64 (read in full, for float64 parameters) and on the CPU (read on

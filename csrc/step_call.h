@@ -7,6 +7,7 @@
 #include <c10/util/Half.h>
 
 #include <array>
+#include <cmath>
 #include <optional>
 #include <type_traits>
 #include <vector>
@@ -130,6 +131,17 @@ inline bool same_layout_as(const at::Tensor& a, const at::Tensor& b) {
 inline bool dense_like(const at::Tensor& t, const at::Tensor& p) {
   return (t.is_contiguous() && p.is_contiguous()) ||
          (t.is_non_overlapping_and_dense() && same_layout_as(t, p));
+}
+
+// A step counter (one float64 element, checked before) the kernels may advance: on the CPU, a
+// whole number of steps >= 0, as the reference asks (at -1 AdaPNM divides by a bias
+// correction of 0; at 2.5 the kernels would use 3.5 where the reference uses 3). It can be
+// filled in place between steps, so held lists read it at every step. One on a device is not
+// read: that would synchronise.
+inline bool counts_whole_steps(const at::Tensor& step) {
+  if (!step.device().is_cpu()) return true;
+  const double v = *static_cast<const double*>(step.const_data_ptr());
+  return std::isfinite(v) && v >= 0.0 && v == std::floor(v);
 }
 
 // The optimizer's per-step gradient check for a batch, without a Python loop: the index of

@@ -52,7 +52,7 @@ inline bool buffer_fits(const at::Tensor& b, const at::Tensor& p) {
 // A held step counter is still what the kernels read and write (what check_call asks of it).
 inline bool counter_fits(const at::Tensor& s, const at::Tensor& p) {
   return s.defined() && s.scalar_type() == at::kDouble && s.numel() == 1 &&
-         s.device() == p.device();
+         s.device() == p.device() && counts_whole_steps(s);
 }
 
 }  // namespace
@@ -338,7 +338,8 @@ void StateLists::adapnm_step(std::vector<at::Tensor> grads, bool emulate, double
             grad_scale, found_inf, bf16_stochastic_round);
 }
 
-HeldLayouts::HeldLayouts(std::vector<at::Tensor> tensors) : tensors_(std::move(tensors)) {
+HeldLayouts::HeldLayouts(std::vector<at::Tensor> tensors, std::vector<at::Tensor> counters)
+    : tensors_(std::move(tensors)), counters_(std::move(counters)) {
   layouts_.reserve(tensors_.size());
   for (const at::Tensor& t : tensors_) {
     TORCH_CHECK(t.defined() && t.layout() == at::kStrided,
@@ -357,6 +358,10 @@ bool HeldLayouts::unchanged() const {
         t.strides() != at::IntArrayRef(was.strides) || memory_of(t) != was.memory) {
       return false;
     }
+  }
+  // Laid out as before (among the tensors), so each is one float64 element still.
+  for (const at::Tensor& c : counters_) {
+    if (!counts_whole_steps(c)) return false;
   }
   return true;
 }

@@ -195,11 +195,13 @@ struct StateLists : torch::CustomClassHolder {
 // counters, seeds, int8 scales), held with their layouts as when the batch was built and
 // checked (the optimizer made each to fit its parameter). Python can give any of them new
 // data (t.data = ...) without the cache knowing; unchanged() says whether each still has its
-// dtype, device, shape, strides and memory, so that the cached lists may be stepped again. Its
+// dtype, device, shape, strides and memory (and each counter a count the kernels may
+// advance: counts_whole_steps), so that the cached lists may be stepped again. Its
 // kernels check their arguments too, but a step can be two calls (int8 and the short rows'
 // bfloat16) or several batches, and none may start unless all can; Triton's check nothing.
 struct HeldLayouts : torch::CustomClassHolder {
-  explicit HeldLayouts(std::vector<at::Tensor> tensors);
+  // counters: the batch's step counters (among the tensors too), whose values are read again.
+  HeldLayouts(std::vector<at::Tensor> tensors, std::vector<at::Tensor> counters);
   bool unchanged() const;
 
  private:
@@ -209,7 +211,7 @@ struct HeldLayouts : torch::CustomClassHolder {
     std::vector<int64_t> sizes, strides;
     Memory memory;  // as StepLists::memory_unchanged
   };
-  std::vector<at::Tensor> tensors_;
+  std::vector<at::Tensor> tensors_, counters_;
   std::vector<Layout> layouts_;
 };
 

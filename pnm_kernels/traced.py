@@ -21,18 +21,30 @@ from .quantization import scale_name
 def step(optimizer, scaling: Scaling) -> None:
     for gi, group in enumerate(optimizer.param_groups):  # before any group steps
         assert_lr_in_graph(group["lr"], f"param_groups[{gi}]")
-    for group in optimizer.param_groups:
+    # Every group's lists, and their counters checked, before any group steps.
+    groups = []
+    counters: tuple[list, list, list] = ([], [], [])  # the CPU ones, their groups and places
+    for gi, group in enumerate(optimizer.param_groups):
         lists: list[list[torch.Tensor]] = [[] for _ in range(8)]
-        params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         # int8 state: a list per buffer (as backends.base.Batch.scales). Flat lists: dynamo finds
         # the sources of the tensors the untraced _init_group puts into them.
         scales: list[list] = [[] for _ in range(4)]
-        batches = optimizer._init_group(group, params, grads, buffer0, buffer1, buffer2,
-                                        buffer3, steps, seeds, *scales)
+        batches = optimizer._init_group(group, *lists, *scales)
+        places = [pi for *_, indices in batches for pi in indices]
+        for step, pi in zip(lists[6], places):
+            if step.device.type == "cpu":
+                counters[0].append(step)
+                counters[1].append(gi)
+                counters[2].append(pi)
+        groups.append((group, lists, scales, batches))
+    if counters[0]:  # none on a device: no op in the graph
+        _check_step_counts(*counters)
+    for group, lists, scales, batches in groups:
+        params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
         buffers = [buffer0, buffer1, buffer2, buffer3][:hyper.num_buffers]
         start = 0
-        for backend, count, copies, offsets in batches:
+        for backend, count, copies, offsets, _ in batches:
             end = start + count
             device = params[start].device
             batch_hyper = hyper
@@ -56,6 +68,32 @@ def step(optimizer, scaling: Scaling) -> None:
                   for t in (scaling.grad_scale, scaling.found_inf))))
             writeback(writebacks)
             start = end
+
+
+@torch.library.custom_op("pnm_kernels::check_step_counts", mutates_args=("steps",))
+def _check_step_counts(steps: list[torch.Tensor], groups: list[int], places: list[int]) -> None:
+    """state.check_state's check of the CPU step counters' values, run inside the traced
+    step: dynamo does not guard a counter's value, so one filled in place after tracing
+    (`state["step"].fill_(-1)`) would step on (AdaPNM dividing by a bias correction of 0).
+    Declared as writing the counters, so that the compiler orders every read and write of
+    them (every group's step) after it: an assert that wrote nothing could run after the
+    first group's counters had advanced. Counter i is param_groups[groups[i]]['params']
+    [places[i]]'s; those on a device are not given (that would synchronise, as in eager)."""
+    if not steps:
+        return
+    counts = torch.cat([s.detach().reshape(1) for s in steps])
+    bad = ~(torch.isfinite(counts) & (counts >= 0) & (counts == counts.floor()))
+    if bool(bad.any()):
+        i = int(bad.nonzero()[0])
+        raise RuntimeError(f"param_groups[{groups[i]}]['params'][{places[i]}]: its state "
+                           f"'step' is {float(counts[i])!r}, not a whole number of steps >= 0: "
+                           "filled in place? Restart its state with "
+                           "`del optimizer.state[param]`")
+
+
+@_check_step_counts.register_fake
+def _(steps, groups, places) -> None:
+    return None
 
 
 def _check_every_group(optimizer) -> None:
@@ -83,7 +121,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     gradients, makes missing state, and fills the lists with the parameters that have a
     gradient, their gradients, state buffers, step counters, (bfloat16 or int8 state) seeds
     and (int8 state) each buffer's block scales or None, batch after batch. Returns each batch's (backend, number of parameters, each one's
-    dense_copies, each one's element_offset), decided here from
+    dense_copies, each one's element_offset, each one's place in the group), decided here from
     the layouts: constants, as dynamo takes them. (Dynamo guards the parameters, not the gradients;
     the kernel refuses a gradient laid out otherwise.)"""
     gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
@@ -115,5 +153,5 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
                 offsets.append(element_offset(p))
             param, grad, bufs = kernel_views(p, p.grad, bufs)
             copies.append(dense_copies(param, grad, bufs[0], BACKENDS[backend].flat))
-        out.append((backend, len(idx), tuple(copies), tuple(offsets)))
+        out.append((backend, len(idx), tuple(copies), tuple(offsets), tuple(idx)))
     return tuple(out)

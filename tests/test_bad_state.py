@@ -9,7 +9,7 @@ import torch
 import cases
 from cases import FAST_PATHS
 from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_same_entry,
-                      assert_states_close, make_params, train, with_reference)
+                      assert_states_close, clone_params, make_params, train, with_reference)
 from internals import triton_only_install
 
 
@@ -25,7 +25,8 @@ def _assert_step_refused_untouched(opt, params, match):
         opt.step()
     for p, v, s in zip(params, values, steps):
         assert torch.equal(p, v)
-        assert s is None or torch.equal(opt.state[p]["step"], s)
+        assert s is None or torch.allclose(opt.state[p]["step"], s, rtol=0, atol=0,
+                                           equal_nan=True)
 
 
 @cases.parametrize(FAST_PATHS + ["reference"])
@@ -142,6 +143,66 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
                                    r"params'\]\[0\].* state " + culprit.format(m=momentum))
     for key, value in other_state.items():
         assert torch.equal(opt.state[params[1]][key], value), key
+
+
+# A count no step can use, filled in place into a counter between steps, and what the
+# refusal says of it.
+COUNTS_FILLED_IN = {"-1": (-1.0, r"'step' is -1.0, not a whole number of steps >= 0"),
+                    "2.5": (2.5, r"'step' is 2.5, not a whole number of steps >= 0"),
+                    "nan": (float("nan"), r"'step' is nan, not a whole number of steps >= 0")}
+STATE_DTYPES = {"own-dtype-state": None, "bf16-state": torch.bfloat16, "int8-state": torch.int8}
+
+
+def _counter_filled_in_place(path, name, value, batches, state_dtype):
+    params = make_params([(5,), (3, 200)])
+    if batches == "two":  # the counter's batch steps after the float32 one
+        params += make_params([(2, 128)], dtype=torch.bfloat16)
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=STATE_DTYPES[state_dtype])
+    train(opt, params, 3)
+    fill, culprit = COUNTS_FILLED_IN[value]
+    opt.state[params[-1]]["step"].fill_(fill)
+    _assert_step_refused_untouched(opt, params,
+                                   rf"params'\]\[{len(params) - 1}\].* state " + culprit)
+
+
+@pytest.mark.parametrize("state_dtype", list(STATE_DTYPES))
+@pytest.mark.parametrize("batches", ["one", "two"])
+@pytest.mark.parametrize("value", list(COUNTS_FILLED_IN))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_counter_filled_in_place_with_no_count_of_steps_is_refused_before_any_change(
+        path, name, value, batches, state_dtype):
+    """`state["step"].fill_(-1)` bumps no version a cache could see, but the held lists read
+    every CPU counter again before a step (at -1 AdaPNM's kernels divided by a bias
+    correction of 0): refused naming the parameter, as the reference refuses it, before any
+    batch stepped."""
+    _counter_filled_in_place(path, name, value, batches, state_dtype)
+
+
+@pytest.mark.parametrize("value", list(COUNTS_FILLED_IN))
+@cases.parametrize(["triton"])
+def test_a_counter_filled_in_place_without_the_compiled_extension(path, name, value,
+                                                                   monkeypatch):
+    """The same on a Triton-only install, whose held lists are checked in Python."""
+    triton_only_install(monkeypatch)
+    _counter_filled_in_place(path, name, value, "two", "bf16-state")
+
+
+@pytest.mark.parametrize("state_dtype", ["own-dtype-state", "bf16-state"])
+@cases.parametrize(FAST_PATHS)
+def test_a_counter_filled_in_place_with_a_count_steps_from_it_as_the_reference(path, name,
+                                                                            state_dtype):
+    """A whole count filled in place (a schedule's warm-up skipped by hand) is read by the
+    held lists: the bias corrections and PNM's alternation follow it as the reference's do."""
+    params = make_params([(5,), (3, 200)])
+    ref_params = clone_params(params)
+    opt, ref = (OPTIMIZERS[name](ps, backend=backend, state_dtype=STATE_DTYPES[state_dtype])
+                for ps, backend in ((params, path), (ref_params, "reference")))
+    for o, ps in ((opt, params), (ref, ref_params)):
+        train(o, ps, 3)
+        o.state[ps[1]]["step"].fill_(100)
+        train(o, ps, 3, start=3)
+    assert float(opt.state[params[1]]["step"]) == 103
+    assert_states_close(opt, params, ref, ref_params)
 
 
 # State made, by hand, a view of memory the step writes elsewhere: (which parameter's state,

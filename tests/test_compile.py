@@ -178,6 +178,51 @@ def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step
     assert [int(opt.state[p]["step"]) for p in params] == [2, 2]
 
 
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 2.5], ids=["nan", "negative", "fractional"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_a_cpu_counter_filled_with_no_count_of_steps_is_refused_by_the_compiled_step(
+        backend, compiler, bad):
+    """Dynamo does not guard a counter's value (but for NaN, which traces again and is
+    refused as in eager): the step checks the CPU counters inside the graph, as eager checks
+    them, refused naming the parameter before any group stepped (here the first, whose
+    counter is fine; inductor would advance its counter before an assert that wrote none);
+    the same graph steps once the counter holds a count again."""
+    torch._dynamo.reset()
+    params = [torch.randn(5, requires_grad=True) for _ in range(2)]
+    opt = OPTIMIZERS["AdaPNM"]([dict(params=[p]) for p in params], lr=1e-2, backend=backend)
+    step = torch.compile(opt.step, backend=compiler)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    for _ in range(2):  # the first traced with no state: the second's graph is the one kept
+        step()
+    values = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    opt.state[params[1]]["step"].fill_(bad)
+    try:
+        with pytest.raises(RuntimeError,
+                           match=r"param_groups\[1\]\['params'\]\[0\].* 'step' is "
+                                 r"(nan|-1\.0|2\.5), not a whole number of steps >= 0"):
+            step()
+    finally:
+        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
+    for p, v, state in zip(params, values, states):
+        assert torch.equal(p, v)
+        assert all(torch.allclose(opt.state[p][k], value, rtol=0, atol=0, equal_nan=True)
+                   for k, value in state.items() if k != "step" or p is params[0])
+    opt.state[params[1]]["step"].fill_(2)
+    step()  # the same graph, stepping again
+    assert [int(opt.state[p]["step"]) for p in params] == [3, 3]
+
+
+def test_the_counters_check_passes_opcheck():
+    """Its schema (declared as writing the counters: see traced._check_step_counts) and fake
+    kernel are what torch.compile needs."""
+    from pnm_kernels.traced import _check_step_counts
+    counters = [torch.tensor(3.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)]
+    torch.library.opcheck(_check_step_counts, (counters, [0, 1], [0, 0]))
+
+
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
 def test_a_step_counter_set_by_hand_as_a_number_is_taken_by_the_compiled_step(backend):
     """As by the eager step (the authors' checkpoints hold ints): the next compiled step

@@ -5,6 +5,7 @@ their gradients, state buffers (in kernel table order: PNM pos_momentum, neg_mom
 exp_avg, neg_exp_avg, exp_avg_sq[, max_exp_avg_sq]) and step counters. Backends that hold a
 batch's lists in C++ between steps (fused, Triton) can also repeat a step from those lists,
 reading each parameter's gradient there (see pnm_kernels/repeat.py)."""
+import math
 import os
 from dataclasses import dataclass, field
 from typing import Any, Callable, Optional, Protocol
@@ -159,9 +160,19 @@ def step_lists(batch: Batch):
 
 def counter_fits(step, device: torch.device) -> bool:
     """A step counter the kernels can read and write: one element of STEP_DTYPE on the
-    parameters' device."""
+    parameters' device, counting whole steps (counts_whole_steps)."""
     return (isinstance(step, torch.Tensor) and step.dtype == STEP_DTYPE
-            and step.device == device and step.numel() == 1)
+            and step.device == device and step.numel() == 1 and counts_whole_steps(step))
+
+
+def counts_whole_steps(step: torch.Tensor) -> bool:
+    """A counter that may be filled in place between steps (`step.fill_(-1)`, no version
+    bump a cache could see) holds a count the kernels may advance: on the CPU, read at every
+    step, a whole number >= 0 (csrc/step_call.h says why); one on a device is not read."""
+    if step.device.type != "cpu":
+        return True
+    value = step.item()
+    return math.isfinite(value) and value >= 0 and value == int(value)
 
 
 def held_lists_ok(batch: Batch) -> bool:
@@ -201,15 +212,18 @@ def hold_layouts(batch: Batch):
     tensors = [*batch.params, *(b for buffers in batch.buffers for b in buffers), *batch.steps,
                *batch.seeds, *(s for scales in batch.scales for s in scales if s is not None)]
     if extension_error() is None:
-        return torch.classes.pnm_kernels.HeldLayouts(tensors)
-    return tensors, [_layout(t) for t in tensors]
+        return torch.classes.pnm_kernels.HeldLayouts(tensors, list(batch.steps))
+    return tensors, [_layout(t) for t in tensors], list(batch.steps)
 
 
 def layouts_unchanged(layouts) -> bool:
+    """Whether every tensor is laid out as when held, and every counter still counts whole
+    steps (read again: it may have been filled in place)."""
     if not isinstance(layouts, tuple):
         return layouts.unchanged()
-    tensors, was = layouts
-    return all(_layout(t) == w for t, w in zip(tensors, was))
+    tensors, was, counters = layouts
+    return (all(_layout(t) == w for t, w in zip(tensors, was))
+            and all(map(counts_whole_steps, counters)))
 
 
 def _layout(t: torch.Tensor) -> tuple:
