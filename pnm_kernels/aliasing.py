@@ -1,6 +1,6 @@
 """The memory a step writes is its own (docs/design.md §5): no tensor of a parameter's state
 that the step reads (a buffer, its int8 scales, the counter, the seed) may be, or share memory
-with, another such tensor, a parameter or a gradient of the step; no parameter or state
+with, another such tensor, a parameter, a gradient or a tensor lr of the step; no parameter or state
 tensor may have elements that share memory (an expanded view). Gradients are only read: two
 of them may share memory, or one its own elements. Each backend would step
 aliased memory another way (the reference one tensor after another, the kernels all at once),
@@ -17,6 +17,9 @@ from .params import local
 # What a tensor is to its parameter, besides one of its state's keys.
 PARAMETER = "parameter"
 GRADIENT = "gradient"
+# A group's tensor lr (its owner: the group): only read, as a gradient is.
+LR = "lr"
+_READ_ONLY = (GRADIENT, LR)
 
 # Two strided tensors whose spans meet are compared run by run (a run: elements contiguous
 # in memory); past this many runs in either (elements interleaved with another tensor's, in
@@ -62,7 +65,7 @@ class MemoryClaims:
             start = t.data_ptr()
         except RuntimeError:  # a tensor without storage (a fake tensor, say): nothing to alias
             return
-        if not dense and key != GRADIENT and _overlaps_itself(t, extent):
+        if not dense and key not in _READ_ONLY and _overlaps_itself(t, extent):
             self._overlapping.append(len(self._starts))
         self._starts.append(start)
         self._ends.append(start + extent * t.element_size())
@@ -96,7 +99,7 @@ class MemoryClaims:
         i, j = max(i, j), min(i, j)  # the later claim named first: the same in every run
         if self._params[i] is self._params[j] and self._keys[i] == self._keys[j]:
             return  # one tensor added twice for one owner
-        if self._keys[i] == GRADIENT and self._keys[j] == GRADIENT:
+        if self._keys[i] in _READ_ONLY and self._keys[j] in _READ_ONLY:
             return  # only read
         a, b = self._tensors[i], self._tensors[j]
         a_local, b_local = local(a), local(b)

@@ -9,8 +9,8 @@ from typing import Optional
 import torch
 
 from ._ops import extension_error
-from .aliasing import (GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError, held_params,
-                       written_memory)
+from .aliasing import (GRADIENT, LR, PARAMETER, MemoryClaims, SharedMemoryError,
+                       held_params, written_memory)
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
                             own_state)
@@ -164,17 +164,19 @@ class BatchCache:
                 claim_state(optimizer.state, p, claims, names)
 
     def grad_in_written(self, optimizer, plan, reused, names) -> bool:
-        """Whether a gradient of the step lies in memory a cached batch writes, or, beside
-        the reused batches, memory a batch to build writes: put there since the lists were
-        built and their memory checked (`p.grad = q.data`), which neither the held lists nor
-        the record of what was checked together (claimed_together) see. A reused batch's
+        """Whether a gradient (or a group's tensor lr) of the step lies in memory a cached
+        batch writes, or, beside the reused batches, memory a batch to build writes: put there
+        since the lists were built and their memory checked (`p.grad = q.data`), which neither
+        the held lists nor the record of what was checked together (claimed_together) see. A reused batch's
         gradients are read in C++ (HeldParams); a shard's is its DTensor's, given here."""
         if self._written_stale:
             self._written.clear()
             for _, batch in self._entries.values():
                 self._written.add(_held_tensors(batch))
             self._written_stale = False
-        grads: list = []  # those given here
+        # Those given here; the groups' tensor lrs too, only read as gradients are.
+        grads: list = [lr for lr in {id(item.group): item.group["lr"] for item in plan}.values()
+                       if isinstance(lr, torch.Tensor)]
         held: list = []  # reused batches' HeldParams
         also: list = []  # what the batches to build write
         state = optimizer.state
@@ -263,6 +265,14 @@ def _explained(optimizer, group, p):
 def _shared_memory_message(optimizer, first, second, same_tensor) -> str:
     """What SharedMemoryError's owners (parameter, key) say, a state's key named first: it
     is what to mend; an owner named twice: a tensor whose own elements share memory."""
+    if LR in (first[1], second[1]):
+        (group, _), (p, key) = (first, second) if first[1] == LR else (second, first)
+        gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+        what = {PARAMETER: "", GRADIENT: "'s gradient"}.get(key, f"'s state {key!r}")
+        return (f"param_groups[{gi}]['lr'] (a tensor) shares memory with "
+                f"{_describe_anywhere(optimizer, p)}{what}, which the step writes while it "
+                "reads the lr (each backend in another order): give the lr memory of its "
+                "own (`.clone()`)")
     if first[0] is second[0] and first[1] == second[1]:
         p, key = first
         what = ("" if key == PARAMETER else f": its state {key!r}")

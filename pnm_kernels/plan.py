@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .aliasing import GRADIENT, PARAMETER, MemoryClaims
+from .aliasing import GRADIENT, LR, PARAMETER, MemoryClaims
 from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
@@ -243,11 +243,13 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         reused = [None] * len(plan)
     elif any(batch is not None for batch in reused) and cache.grad_in_written(
             optimizer, plan, reused, item_names):
-        # A gradient put into memory the step writes since it was checked: every batch is
-        # built again, all checked together below, which names it.
+        # A gradient (or a tensor lr) put into memory the step writes since it was checked:
+        # every batch is built again, all checked together below, which names it.
         cache.drop()
         reused = [None] * len(plan)
     claims = MemoryClaims()  # the tensors met: memory shared between them is refused
+    for group in {id(item.group): item.group for item in plan}.values():
+        claims.add(group["lr"], group, LR)  # a tensor lr is read while the step writes
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
             cache.check_states(optimizer, item.group, item.params, n, claims)

@@ -48,7 +48,8 @@ def _plan_keys(group: dict, buffer_names: tuple) -> tuple:
 
 class RepeatedStep:
     def __init__(self) -> None:
-        self._last: Optional[tuple] = None  # (state version, [HeldGroup], [(HeldGroup, HeldBatch)])
+        # (state version, [HeldGroup], [(HeldGroup, HeldBatch)], their WrittenMemory)
+        self._last: Optional[tuple] = None
 
     def forget(self) -> None:
         self._last = None
@@ -102,7 +103,7 @@ class RepeatedStep:
                 written.add_lists(batch.held.step_lists)
             for _, batch in flat:
                 batch.held.step_lists.watch_written(written)
-            self._last = (cache.version(optimizer), entries, flat)
+            self._last = (cache.version(optimizer), entries, flat, written)
 
     def run(self, optimizer, scaling: Scaling, planner: Planner, cache: BatchCache,
             names: tuple) -> bool:
@@ -111,7 +112,7 @@ class RepeatedStep:
         included, or a batch's kernel refusing its arguments)."""
         if self._last is None:
             return False
-        version, entries, flat = self._last
+        version, entries, flat, written = self._last
         groups = optimizer.param_groups
         if len(groups) != len(entries) or cache.version(optimizer) != version:
             return False
@@ -126,6 +127,9 @@ class RepeatedStep:
             if _plan_keys(group, planner.buffer_names(names, group)) != held.plan_keys:
                 return False
             hypers.append(hyper)
+        lrs = [group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
+        if lrs and written.grads_met(lrs):
+            return False  # a tensor lr in memory the step writes: the planned step names it
         hyper_of = {id(held): hyper for held, hyper in zip(entries, hypers)}
         several = len(flat) > 1
         if several and not all(b.held.step_lists.take_own_grads() for _, b in flat):

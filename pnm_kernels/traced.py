@@ -7,7 +7,7 @@ the state dict's keys: a gradient was guarded by identity, and every step with n
 recompiled.)"""
 import torch
 
-from .aliasing import MemoryClaims
+from .aliasing import LR, MemoryClaims
 from .backends import BACKENDS, traceable
 from .backends.base import Scaling
 from .batching import ParameterPlaces, writeback
@@ -112,6 +112,7 @@ def _check_every_group(optimizer) -> None:
         optimizer._batches.check_states(optimizer, group,
                                         [p for p in group["params"] if p.grad is not None],
                                         optimizer._buffer_names[:num_buffers], claims)
+        claims.add(group["lr"], group, LR)
     optimizer._batches.check_memory(optimizer, claims)
 
 

@@ -2,6 +2,7 @@
 at the step naming the parameter (and the key), before anything is touched: no parameter,
 state buffer or step counter changes, in any group (docs/design.md §5)."""
 import copy
+import re
 
 import pytest
 import torch
@@ -348,6 +349,62 @@ def _gradient_put_into_written_memory(path, name, place, state_dtype):
     assert all(where in str(refused.value) for where in named), refused.value
     for p, v, s in zip(params, values, steps):
         assert torch.equal(p, v) and torch.equal(opt.state[p]["step"], s)
+
+
+# A tensor lr put, between steps, into memory the step writes: (the place, the parameter
+# the refusal names with the group's lr).
+LR_PLACES = {
+    "a parameter of its group": (lambda opt, params: params[0].data[:1], _where(0, 0)),
+    "a parameter of another group": (lambda opt, params: params[2].data[3:4], _where(1, 0)),
+    "another parameter's state buffer":
+        (lambda opt, params: _first_buffer(opt, params[1])[:1], _where(0, 1)),
+}
+
+
+def _lr_put_into_written_memory(path, name, place, how):
+    params = make_params([(8,), (8,), (8,)])
+    lr = torch.tensor(1e-2, device=DEVICE)
+    opt = OPTIMIZERS[name]([dict(params=params[:2], lr=lr), dict(params=params[2:])],
+                           backend=path)
+    train(opt, params, 3)
+    target, named = LR_PLACES[place]
+    view = target(opt, params).view(())
+    view.fill_(1e-2)  # a valid lr, so that only where it lies is refused
+    if how == "a new tensor":
+        opt.param_groups[0]["lr"] = view
+    else:
+        lr.data = view
+    values = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['lr'\] \(a tensor\) shares "
+                                           "memory with " + re.escape(named)):
+        opt.step()
+    for p, v, state in zip(params, values, states):
+        assert torch.equal(p, v)
+        assert all(torch.equal(opt.state[p][k], t) for k, t in state.items())
+
+
+@pytest.mark.parametrize("how", ["a new tensor", "lr.data ="])
+@pytest.mark.parametrize("place", list(LR_PLACES))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_tensor_lr_put_into_memory_the_step_writes_is_refused_before_any_change(
+        path, name, place, how):
+    """The step reads the lr while it writes that memory, each backend in another order (the
+    CUDA kernels and Triton read it after some blocks were written): refused, naming the
+    group's lr and what it shares, before anything is touched, also where the lists are
+    held and the step repeats."""
+    _lr_put_into_written_memory(path, name, place, how)
+
+
+@pytest.mark.parametrize("place", list(LR_PLACES))
+@cases.parametrize(["triton"])
+def test_a_tensor_lr_put_into_memory_the_step_writes_without_the_compiled_extension(
+        path, name, place, monkeypatch):
+    """The same on a Triton-only install, whose held batches' memory is kept in Python."""
+    triton_only_install(monkeypatch)
+    _lr_put_into_written_memory(path, name, place, "a new tensor")
 
 
 @cases.parametrize(FAST_PATHS)
