@@ -38,6 +38,7 @@ class BatchCache:
         # memory and state, plan.run): a batch built of these alone, the state unchanged,
         # cannot share memory with the batches reused beside it.
         self._claimed: tuple = (None, {})
+        self._claimed_written = written_memory()  # where those noted lie (note_claimed)
         # Where every cached batch's tensors lie (grad_in_written), made again when read
         # after the entries changed.
         self._written = written_memory()
@@ -212,14 +213,25 @@ class BatchCache:
         if version != self.version(optimizer):
             return False
         state, keys = optimizer.state, frozenset(keys_read(names))
-        return (all(id(p) in known for p in reused)
-                and all(known.get(id(p)) == _memory_of(p, state, keys) for p in built))
+        if not (all(id(p) in known for p in reused)
+                and all(known.get(id(p)) == _memory_of(p, state, keys) for p in built)):
+            return False
+        # A gradient put since into memory of those checked with them (inside backward,
+        # another bucket's parameter or state: `b.grad = a.data` in a hook), which the
+        # batches built here do not claim.
+        grads = [local(p.grad) for p in built if p.grad is not None]
+        return not (grads and self._claimed_written.grads_met(grads))
 
     def note_claimed(self, optimizer, params, names) -> None:
         """These parameters' memory and state were checked together, replacing the last."""
         state, keys = optimizer.state, frozenset(keys_read(names))
         self._claimed = (self.version(optimizer),
                          {id(p): _memory_of(p, state, keys) for p in params})
+        self._claimed_written = written_memory()
+        self._claimed_written.add(
+            [local(t) for p in params
+             for t in (p, *(t for key, t in (state.get(p) or {}).items() if key in keys))
+             if isinstance(t, torch.Tensor)])
 
     def check_memory(self, optimizer, claims: MemoryClaims) -> None:
         """Raises, naming both, where two tensors of `claims` share memory."""

@@ -10,7 +10,9 @@ import copy
 import pytest
 import torch
 
-from conftest import assert_same_bits
+import cases
+from cases import FAST_PATHS
+from conftest import OPTIMIZERS, assert_same_bits
 from pnm_kernels import PNM, AdaPNM
 from test_step_in_backward import _assert_same, _batches, _model, _train
 
@@ -340,3 +342,39 @@ def test_state_of_a_parameter_no_longer_reached_is_not_checked_by_the_buckets():
     for p, q in zip(_unused_layer_given_another_shape(False),
                     _unused_layer_given_another_shape(True)):
         assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("into", ["parameter", "state"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_gradient_put_into_another_buckets_memory_is_refused_naming_both(path, name, into):
+    """One parameter a bucket; from the third pass on, a hook puts b's gradient into a's
+    memory (`b.grad = a.data`, or a buffer of a's state), where a's bucket steps after b's:
+    every backend refuses it, naming both, before b's bucket steps (the ordinary step
+    refuses it too), after the buckets had been checked together on the passes before."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(2))
+    x = torch.randn(8, generator=gen)
+    opt = OPTIMIZERS[name]([a, b], lr=1e-2, backend=path)
+    aliasing = []
+
+    def put_into_a(p):
+        if aliasing:
+            p.grad = aliasing[0]()
+
+    b.register_post_accumulate_grad_hook(put_into_a)
+    opt.step_in_backward(bucket_mib=1e-6)
+    for t in range(3):
+        if t == 2:
+            aliasing.append(lambda: a.data if into == "parameter" else next(
+                v for k, v in opt.state[a].items() if k not in ("step", "seed")))
+        values = [p.detach().clone() for p in (a, b)]
+        opt.zero_grad()
+        loss = (b * (a * x)).sin().sum()
+        if t < 2:
+            loss.backward()
+            opt.step()
+            continue
+        with pytest.raises(RuntimeError, match=r"params'\]\[0\].* (shares memory with|is "
+                                               r"the very tensor of) .*params'\]\[1\].*gradient"):
+            loss.backward()
+        assert all(torch.equal(p, v) for p, v in zip((a, b), values))
