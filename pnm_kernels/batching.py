@@ -205,7 +205,7 @@ class BatchCache:
         built.add(also)
         return built.grads_met(grads) or any(map(built.params_grads_met, held))
 
-    def claimed_together(self, optimizer, built, reused, names) -> bool:
+    def claimed_together(self, optimizer, built, reused, names, lrs=()) -> bool:
         """Whether the parameters of the batches to build were checked together with those
         of the reused ones (note_claimed), in the memory they have now, the state unchanged
         since (the reused ones' memory is confirmed by their held lists)."""
@@ -216,10 +216,10 @@ class BatchCache:
         if not (all(id(p) in known for p in reused)
                 and all(known.get(id(p)) == _memory_of(p, state, keys) for p in built)):
             return False
-        # A gradient put since into memory of those checked with them (inside backward,
-        # another bucket's parameter or state: `b.grad = a.data` in a hook), which the
-        # batches built here do not claim.
-        grads = [local(p.grad) for p in built if p.grad is not None]
+        # A gradient (or a group's tensor lr, `lrs`) put since into memory of those checked
+        # with them (inside backward, another bucket's parameter or state: `b.grad = a.data`
+        # in a hook), which the batches built here do not claim.
+        grads = [local(p.grad) for p in built if p.grad is not None] + list(lrs)
         return not (grads and self._claimed_written.grads_met(grads))
 
     def note_claimed(self, optimizer, params, names) -> None:

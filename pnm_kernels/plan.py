@@ -248,7 +248,8 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         cache.drop()
         reused = [None] * len(plan)
     claims = MemoryClaims()  # the tensors met: memory shared between them is refused
-    for group in {id(item.group): item.group for item in plan}.values():
+    groups = {id(item.group): item.group for item in plan}.values()
+    for group in groups:
         claims.add(group["lr"], group, LR)  # a tensor lr is read while the step writes
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
@@ -259,7 +260,9 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     # Built alone (the whole step, never-held batches' every step), all is checked together
     # above: the record is for building beside what is reused, or beside other buckets.
     together = (not built_params or (not reused_params and not bucket)
-                or cache.claimed_together(optimizer, built_params, reused_params, names))
+                or cache.claimed_together(optimizer, built_params, reused_params, names,
+                                          [group["lr"] for group in groups
+                                           if isinstance(group["lr"], torch.Tensor)]))
     if not together:
         # A parameter new to the step (a group added, a parameter given other memory, one
         # not checked with the reused ones) or a changed state: the reused batches, and a

@@ -109,10 +109,11 @@ def _check_every_group(optimizer) -> None:
     for gi, group in enumerate(groups):
         validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
         num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
-        optimizer._batches.check_states(optimizer, group,
-                                        [p for p in group["params"] if p.grad is not None],
+        stepping = [p for p in group["params"] if p.grad is not None]
+        optimizer._batches.check_states(optimizer, group, stepping,
                                         optimizer._buffer_names[:num_buffers], claims)
-        claims.add(group["lr"], group, LR)
+        if stepping:  # a group that does not step reads no lr
+            claims.add(group["lr"], group, LR)
     optimizer._batches.check_memory(optimizer, claims)
 
 

@@ -215,6 +215,26 @@ def test_a_cpu_counter_filled_with_no_count_of_steps_is_refused_by_the_compiled_
     assert [int(opt.state[p]["step"]) for p in params] == [3, 3]
 
 
+def test_a_group_that_does_not_step_reads_no_lr_so_its_lr_may_lie_anywhere():
+    """As in eager: a group without gradients does not step, so its tensor lr in a stepping
+    parameter's memory is no memory the step both reads and writes."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        a, b, c = (torch.ones(4, requires_grad=True) for _ in range(3))
+        opt = OPTIMIZERS["AdaPNM"]([dict(params=[a, b]), dict(params=[c])], lr=1e-2,
+                                   backend="fused")
+        opt.param_groups[1]["lr"] = a.data[0]  # c has no gradient: its group does not step
+        # Dynamo alone: aot_autograd refuses inputs aliased so (a torch limit, not ours).
+        step = torch.compile(opt.step, backend="eager") if compiled else opt.step
+        for _ in range(2):
+            a.grad, b.grad = torch.full_like(a, 0.5), torch.ones_like(b)
+            step()
+        runs.append([p.detach().clone() for p in (a, b, c)])
+    assert all(torch.equal(x, y) for x, y in zip(*runs))
+    assert not torch.equal(runs[1][0], torch.ones(4))
+
+
 def test_the_counters_check_passes_opcheck():
     """Its schema (declared as writing the counters: see traced._check_step_counts) and fake
     kernel are what torch.compile needs."""

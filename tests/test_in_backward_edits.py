@@ -378,3 +378,27 @@ def test_a_gradient_put_into_another_buckets_memory_is_refused_naming_both(path,
                                                r"the very tensor of) .*params'\]\[1\].*gradient"):
             loss.backward()
         assert all(torch.equal(p, v) for p, v in zip((a, b), values))
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_tensor_lr_put_into_another_buckets_memory_is_refused_before_any_change(path, name):
+    """b's group's lr set, between passes, to an element of a (whose bucket steps in the
+    same pass): refused on every backend, naming the lr and a, before either stepped."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(2))
+    x = torch.randn(8, generator=gen)
+    opt = OPTIMIZERS[name]([dict(params=[a]), dict(params=[b])], lr=1e-2, backend=path)
+    opt.step_in_backward(bucket_mib=1e-6)
+    for _ in range(2):
+        opt.zero_grad()
+        (b * (a * x)).sin().sum().backward()
+        opt.step()
+    lr = a.data[0]
+    lr.fill_(1e-2)  # a valid lr, so that only where it lies is refused
+    opt.param_groups[1]["lr"] = lr
+    values = [p.detach().clone() for p in (a, b)]
+    opt.zero_grad()
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['lr'\] \(a tensor\) shares "
+                                           r"memory with param_groups\[0\]\['params'\]\[0\]"):
+        (b * (a * x)).sin().sum().backward()
+    assert all(torch.equal(p, v) for p, v in zip((a, b), values))
