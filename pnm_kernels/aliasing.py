@@ -1,11 +1,11 @@
 """The memory a step writes is its own (docs/design.md §5): no tensor of a parameter's state
 that the step reads (a buffer, its int8 scales, the counter, the seed) may be, or share memory
-with, another such tensor, a parameter, a gradient or a tensor lr of the step; no parameter or state
-tensor may have elements that share memory (an expanded view). Gradients are only read: two
-of them may share memory, or one its own elements. Each backend would step
-aliased memory another way (the reference one tensor after another, the kernels all at once),
-so a state tensor put under two keys or parameters by hand, or made a view of another's
-memory, is refused before anything is touched. Checked where a step's lists are built (after
+with, another such tensor, a parameter, a gradient or a tensor lr of the step; no parameter
+or state tensor may have elements that share memory (an expanded view). Gradients (and a
+tensor lr) are only read: two of them may share memory, or one its own elements. Each
+backend would step aliased memory another way (the reference one tensor after another, the
+kernels all at once), so a state tensor put under two keys or parameters by hand, or made a
+view of another's memory, is refused before anything is touched. Checked where a step's lists are built (after
 any edit of the state), not at every step."""
 import bisect
 

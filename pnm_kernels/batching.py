@@ -164,20 +164,19 @@ class BatchCache:
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, names)
 
-    def grad_in_written(self, optimizer, plan, reused, names) -> bool:
-        """Whether a gradient (or a group's tensor lr) of the step lies in memory a cached
-        batch writes, or, beside the reused batches, memory a batch to build writes: put there
-        since the lists were built and their memory checked (`p.grad = q.data`), which neither
-        the held lists nor the record of what was checked together (claimed_together) see. A reused batch's
-        gradients are read in C++ (HeldParams); a shard's is its DTensor's, given here."""
+    def grad_in_written(self, optimizer, plan, reused, names, lrs=()) -> bool:
+        """Whether a gradient (or a group's tensor lr, `lrs`) of the step lies in memory a
+        cached batch writes, or, beside the reused batches, memory a batch to build writes:
+        put there since the lists were built and their memory checked (`p.grad = q.data`),
+        which neither the held lists nor the record of what was checked together
+        (claimed_together) see. A reused batch's gradients are read in C++ (HeldParams); a
+        shard's is its DTensor's, given here."""
         if self._written_stale:
             self._written.clear()
             for _, batch in self._entries.values():
                 self._written.add(_held_tensors(batch))
             self._written_stale = False
-        # Those given here; the groups' tensor lrs too, only read as gradients are.
-        grads: list = [lr for lr in {id(item.group): item.group["lr"] for item in plan}.values()
-                       if isinstance(lr, torch.Tensor)]
+        grads: list = list(lrs)  # those given here (tensor lrs: only read, as gradients)
         held: list = []  # reused batches' HeldParams
         also: list = []  # what the batches to build write
         state = optimizer.state

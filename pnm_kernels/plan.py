@@ -236,19 +236,20 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     item_names = [planner.buffer_names(names, item.group) for item in plan]
     drops = cache.drops
     reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
+    groups = {id(item.group): item.group for item in plan}.values()
+    lrs = [group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
     if cache.drops != drops:
         # A batch given new data or memory dropped the cache: every batch is built again, so
         # that its memory is checked against all the others' (one reused before the drop
         # would not be).
         reused = [None] * len(plan)
     elif any(batch is not None for batch in reused) and cache.grad_in_written(
-            optimizer, plan, reused, item_names):
+            optimizer, plan, reused, item_names, lrs):
         # A gradient (or a tensor lr) put into memory the step writes since it was checked:
         # every batch is built again, all checked together below, which names it.
         cache.drop()
         reused = [None] * len(plan)
     claims = MemoryClaims()  # the tensors met: memory shared between them is refused
-    groups = {id(item.group): item.group for item in plan}.values()
     for group in groups:
         claims.add(group["lr"], group, LR)  # a tensor lr is read while the step writes
     for item, n, batch in zip(plan, item_names, reused):
@@ -260,9 +261,7 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     # Built alone (the whole step, never-held batches' every step), all is checked together
     # above: the record is for building beside what is reused, or beside other buckets.
     together = (not built_params or (not reused_params and not bucket)
-                or cache.claimed_together(optimizer, built_params, reused_params, names,
-                                          [group["lr"] for group in groups
-                                           if isinstance(group["lr"], torch.Tensor)]))
+                or cache.claimed_together(optimizer, built_params, reused_params, names, lrs))
     if not together:
         # A parameter new to the step (a group added, a parameter given other memory, one
         # not checked with the reused ones) or a changed state: the reused batches, and a

@@ -5,7 +5,6 @@ docs/design.md §5), so a change made from outside — a moment reset by hand, a
 counter, a whole state put back — must be seen, and the next step reads the state again, as
 torch's optimizers, which read it every step, would. The optimizers' own writes (put) are
 not counted: the lists built before stay valid."""
-import math
 import numbers
 import sys
 from collections import defaultdict
@@ -14,7 +13,7 @@ from typing import Callable, Optional
 import torch
 
 from . import quantization
-from .backends.base import STEP_DTYPE
+from .backends.base import STEP_DTYPE, is_whole_count
 from .layout import is_dense, same_dense_layout
 
 # How often anyone but the optimizers changed which tensors a state holds. One counter for
@@ -242,7 +241,7 @@ def _check_count(step) -> None:
         if step.device.type != "cpu":
             return
         step = step.item()
-    if not (math.isfinite(step) and step >= 0 and step == int(step)):
+    if not is_whole_count(step):
         raise StateValueError("step", f"is {step!r}, not a whole number of steps >= 0")
 
 

@@ -169,9 +169,12 @@ def counts_whole_steps(step: torch.Tensor) -> bool:
     """A counter that may be filled in place between steps (`step.fill_(-1)`, no version
     bump a cache could see) holds a count the kernels may advance: on the CPU, read at every
     step, a whole number >= 0 (csrc/step_call.h says why); one on a device is not read."""
-    if step.device.type != "cpu":
-        return True
-    value = step.item()
+    return step.device.type != "cpu" or is_whole_count(step.item())
+
+
+def is_whole_count(value: float) -> bool:
+    """A number of steps a counter may hold: whole and >= 0 (at -1 AdaPNM divides by a bias
+    correction of 0; at 2.5 the kernels' bias corrections use 3.5, the reference's 3)."""
     return math.isfinite(value) and value >= 0 and value == int(value)
 
 
