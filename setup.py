@@ -74,6 +74,7 @@ sources = [
     "csrc/step_call.cpp",  # argument checks, kernel arguments
     "csrc/step_lists.cpp",  # the StepLists custom class
     "csrc/written_memory.cpp",  # the WrittenMemory custom class
+    "csrc/traced_checks.cpp",  # the checks inside a torch.compile'd step
     "csrc/cpu_kernel.cpp",  # the fused CPU kernel
     "csrc/cpu_state_kernel.cpp",  # the same with state in a dtype of its own
     "csrc/cpu_int8_kernel.cpp",  # the same with int8 state

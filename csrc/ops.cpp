@@ -18,6 +18,7 @@
 #include "emulated_cuda.h"
 #include "step_call.h"
 #include "step_lists.h"
+#include "traced_checks.h"
 #include "written_memory.h"
 
 namespace pnm {
@@ -180,6 +181,11 @@ TORCH_LIBRARY(pnm_kernels, m) {
         &pnm::set_launch_limits);
   m.def("_first_mismatched_grad(Tensor[] params, Tensor[] grads, bool same_layout=False) -> int",
         &pnm::first_mismatched_grad);
+  m.def("_extents_meet(Tensor[] written, Tensor[] read) -> bool", &pnm::extents_meet);
+  // Declared as writing the counters, so that the compiler orders every step after them.
+  m.def("check_step_counts(Tensor(a!)[] steps, int[] groups, int[] places) -> ()");
+  m.def("check_memory_apart(Tensor(a!)[] steps, Tensor[] written, Tensor[] read, "
+        "int optimizer) -> ()");
   m.def("_launch_plan(int[] numels, int element_size, int max_single_launch_blocks=0) -> int[]",
         &pnm::launch_plan);
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
@@ -223,6 +229,12 @@ TORCH_LIBRARY(pnm_kernels, m) {
       .def("unchanged", &pnm::HeldLayouts::unchanged);
 }
 
+// Host code over pointers and CPU counters: one kernel for any device's tensors.
+TORCH_LIBRARY_IMPL(pnm_kernels, CompositeExplicitAutograd, m) {
+  m.impl("check_step_counts", &pnm::check_step_counts);
+  m.impl("check_memory_apart", &pnm::check_memory_apart);
+}
+
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
   m.impl("pnm_step_", &pnm::pnm_step_op<pnm::CpuFused>);
   m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::CpuFused>);
@@ -250,7 +262,8 @@ TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
                            "adapnm_state_step_", "emulated_cuda_pnm_state_step_",
                            "emulated_cuda_adapnm_state_step_", "pnm_int8_step_",
                            "adapnm_int8_step_", "emulated_cuda_pnm_int8_step_",
-                           "emulated_cuda_adapnm_int8_step_"}) {
+                           "emulated_cuda_adapnm_int8_step_", "check_step_counts",
+                           "check_memory_apart"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }

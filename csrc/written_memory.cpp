@@ -54,6 +54,35 @@ inline bool is_small(uintptr_t begin, uintptr_t end) {
 
 }  // namespace
 
+bool extents_meet(at::TensorList written, at::TensorList read) {
+  std::vector<std::pair<uintptr_t, uintptr_t>> spans;
+  spans.reserve(written.size());
+  uintptr_t begin = 0, end = 0;
+  for (const at::Tensor& t : written) {
+    if (span_of(t, begin, end)) spans.emplace_back(begin, end);
+  }
+  std::sort(spans.begin(), spans.end());
+  // Merged as they are swept: the ends of the kept spans are sorted too.
+  size_t kept = 0;
+  for (const auto& s : spans) {
+    if (kept > 0 && s.first < spans[kept - 1].second) return true;
+    if (kept > 0 && s.first == spans[kept - 1].second) {
+      spans[kept - 1].second = s.second;  // touching, not shared
+    } else {
+      spans[kept++] = s;
+    }
+  }
+  spans.resize(kept);
+  for (const at::Tensor& t : read) {
+    if (!span_of(t, begin, end)) continue;
+    const auto it = std::upper_bound(
+        spans.begin(), spans.end(), begin,
+        [](uintptr_t b, const std::pair<uintptr_t, uintptr_t>& s) { return b < s.second; });
+    if (it != spans.end() && it->first < end) return true;
+  }
+  return false;
+}
+
 void WrittenMemory::add_tensor(const at::Tensor& t) {
   uintptr_t begin = 0, end = 0;
   if (!span_of(t, begin, end)) return;

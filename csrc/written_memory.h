@@ -22,6 +22,11 @@ struct HeldParams : torch::CustomClassHolder {
   std::vector<at::Tensor> params;
 };
 
+// Whether two of `written` share a byte of their extents, or one of `read` meets one of them:
+// the compiled step's check of the memory it was given (traced.py), where nothing is held
+// between steps. Extents, not elements: a hit is then checked element by element.
+bool extents_meet(at::TensorList written, at::TensorList read);
+
 class WrittenMemory : public torch::CustomClassHolder {
  public:
   // The memory of these tensors (a cached batch's, from Python), or of a StepLists' params,

@@ -26,7 +26,8 @@ if _EXTENSION_ERROR is None:
                   "emulated_cuda_adapnm_step_", "pnm_state_step_", "adapnm_state_step_",
                   "emulated_cuda_pnm_state_step_", "emulated_cuda_adapnm_state_step_",
                   "pnm_int8_step_", "adapnm_int8_step_", "emulated_cuda_pnm_int8_step_",
-                  "emulated_cuda_adapnm_int8_step_"):
+                  "emulated_cuda_adapnm_int8_step_", "check_step_counts",
+                  "check_memory_apart"):
         torch.library.register_fake(f"pnm_kernels::{_name}")(_fake_step)
 
 

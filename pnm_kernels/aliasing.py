@@ -163,6 +163,23 @@ class WrittenSpans:
         return False
 
 
+def extents_meet(written, read) -> bool:
+    """Whether two of `written` share a byte of their extents, or one of `read` meets one
+    of them (csrc/written_memory.h's extents_meet, or the same in Python without the
+    extension). A screen: MemoryClaims says whether elements meet."""
+    if extension_error() is None:
+        return torch.ops.pnm_kernels._extents_meet(written, read)
+    spans = sorted(filter(None, map(_extent_of, written)))
+    if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])):
+        return True
+    starts = [start for start, _ in spans]
+    for span in filter(None, map(_extent_of, read)):
+        k = bisect.bisect_left(starts, span[1])  # the spans starting before its end
+        if k and spans[k - 1][1] > span[0]:
+            return True
+    return False
+
+
 def _extent_of(t):
     """The bytes [start, end) a strided tensor's elements span; None without memory."""
     if not isinstance(t, torch.Tensor) or t.numel() == 0 or t.layout != torch.strided:

@@ -5,11 +5,14 @@ runs torch's optimizers' own; it then knows each tensor by its place in param_gr
 and guards on them as for torch's optimizers. (Traced, the eager planning reached them through
 the state dict's keys: a gradient was guarded by identity, and every step with new gradients
 recompiled.)"""
+import weakref
+
 import torch
 
-from .aliasing import LR, MemoryClaims
+from ._ops import extension_error
+from .aliasing import LR, MemoryClaims, extents_meet
 from .backends import BACKENDS, traceable
-from .backends.base import Scaling
+from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
 from .hyper import Hyper, assert_lr_in_graph, lr_dtype_for, needs_seed, validate_group
 from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
@@ -39,6 +42,7 @@ def step(optimizer, scaling: Scaling) -> None:
         groups.append((group, lists, scales, batches))
     if counters[0]:  # none on a device: no op in the graph
         _check_step_counts(*counters)
+    _check_memory_apart(*_memory_of(optimizer, groups), id(optimizer))
     for group, lists, scales, batches in groups:
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
@@ -70,29 +74,93 @@ def step(optimizer, scaling: Scaling) -> None:
             start = end
 
 
-@torch.library.custom_op("pnm_kernels::check_step_counts", mutates_args=("steps",))
-def _check_step_counts(steps: list[torch.Tensor], groups: list[int], places: list[int]) -> None:
+def _memory_of(optimizer, groups) -> tuple[list, list, list]:
+    """What _check_memory_apart takes: the step counters, the other tensors the step writes
+    or reads as state (parameters, buffers, seeds, int8 scales), and what it only reads
+    (gradients, the tensor lrs of groups that step); a shard's local tensor."""
+    steps, written, read = [], [], []
+    for group, lists, scales, _ in groups:
+        params, grads, *buffers, counters, seeds = lists
+        steps += counters
+        for tensors in (params, *buffers, seeds, *scales):
+            written += [local(t) for t in tensors if t is not None]
+        read += [local(g) for g in grads]
+        if params and isinstance(group["lr"], torch.Tensor):
+            read.append(group["lr"])
+    return steps, written, read
+
+
+def _check_step_counts(steps: list, groups: list, places: list) -> None:
     """state.check_state's check of the CPU step counters' values, run inside the traced
     step: dynamo does not guard a counter's value, so one filled in place after tracing
     (`state["step"].fill_(-1)`) would step on (AdaPNM dividing by a bias correction of 0).
-    Declared as writing the counters, so that the compiler orders every read and write of
-    them (every group's step) after it: an assert that wrote nothing could run after the
-    first group's counters had advanced. Counter i is param_groups[groups[i]]['params']
-    [places[i]]'s; those on a device are not given (that would synchronise, as in eager)."""
-    if not steps:
-        return
-    counts = torch.cat([s.detach().reshape(1) for s in steps])
-    bad = ~(torch.isfinite(counts) & (counts >= 0) & (counts == counts.floor()))
-    if bool(bad.any()):
-        i = int(bad.nonzero()[0])
-        raise RuntimeError(f"param_groups[{groups[i]}]['params'][{places[i]}]: its state "
-                           f"'step' is {float(counts[i])!r}, not a whole number of steps >= 0: "
-                           "filled in place? Restart its state with "
-                           "`del optimizer.state[param]`")
+    An op declared as writing the counters, so that the compiler orders every read and
+    write of them (every group's step) after it: an assert that wrote nothing could run
+    after the first group's counters had advanced. Counter i is param_groups[groups[i]]
+    ['params'][places[i]]'s; those on a device are not given (that would synchronise, as in
+    eager). In C++ (csrc/traced_checks.h) where the extension is built: a number a counter."""
+    if extension_error() is None:
+        torch.ops.pnm_kernels.check_step_counts(steps, groups, places)
+    else:
+        _check_step_counts_in_python(steps, groups, places)
 
 
-@_check_step_counts.register_fake
+def _check_memory_apart(steps: list, written: list, read: list, optimizer: int) -> None:
+    """The eager step's check that no two tensors it writes share memory, nor a gradient or
+    tensor lr one of them (docs/design.md §5), run inside the traced step: dynamo guards
+    the gradients', lrs' and state tensors' layouts, not their memory, so `p.grad = q.data`
+    or a state tensor made a view of another's after tracing would step aliased memory. A
+    screen of the extents at every step (a pointer a tensor, in C++ where the extension is
+    built); on a hit, _refuse_shared_memory. Declared as writing the counters for its place
+    in the graph (see _check_step_counts)."""
+    if extension_error() is None:
+        torch.ops.pnm_kernels.check_memory_apart(steps, written, read, optimizer)
+    else:
+        _check_memory_apart_in_python(steps, written, read, optimizer)
+
+
+def _refuse_step_count(group: int, place: int, value: float) -> None:
+    """Raises naming param_groups[group]['params'][place], whose counter holds `value`."""
+    raise RuntimeError(f"param_groups[{group}]['params'][{place}]: its state 'step' is "
+                       f"{value!r}, not a whole number of steps >= 0: filled in place? "
+                       "Restart its state with `del optimizer.state[param]`")
+
+
+# The optimizers whose step was traced, by id: _refuse_shared_memory names the culprits with
+# the eager step's own check of them.
+_TRACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+
+
+def _refuse_shared_memory(optimizer: int) -> None:
+    """The eager step's check of every group, which raises naming both tensors that share
+    memory (or passes: strided views whose elements interleave, extents meeting)."""
+    _check_every_group(_TRACED[optimizer])
+
+
+@torch.library.custom_op("pnm_kernels::check_step_counts_in_python", mutates_args=("steps",))
+def _check_step_counts_in_python(steps: list[torch.Tensor], groups: list[int],
+                                 places: list[int]) -> None:
+    """csrc/traced_checks.h's check_step_counts, for an install without the extension."""
+    for step, group, place in zip(steps, groups, places):
+        if not is_whole_count(float(step)):
+            _refuse_step_count(group, place, float(step))
+
+
+@torch.library.custom_op("pnm_kernels::check_memory_apart_in_python", mutates_args=("steps",))
+def _check_memory_apart_in_python(steps: list[torch.Tensor], written: list[torch.Tensor],
+                                  read: list[torch.Tensor], optimizer: int) -> None:
+    """csrc/traced_checks.h's check_memory_apart, for an install without the extension."""
+    if extents_meet(steps + written, read):
+        _refuse_shared_memory(optimizer)
+
+
+@_check_step_counts_in_python.register_fake
 def _(steps, groups, places) -> None:
+    return None
+
+
+@_check_memory_apart_in_python.register_fake
+def _(steps, written, read, optimizer) -> None:
     return None
 
 
@@ -130,6 +198,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
     if gi == 0:
         _check_every_group(optimizer)
+        _TRACED[id(optimizer)] = optimizer
     num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
     names = optimizer._buffer_names[:num_buffers]

@@ -11,7 +11,7 @@ that must not set TRITON_INTERPRET. pnm_kernels.backends.triton_kernels is impor
 where triton is needed.
 """
 import pnm_kernels.backends as backends
-from pnm_kernels import aliasing, batching, plan
+from pnm_kernels import aliasing, batching, plan, traced
 from pnm_kernels.backends import base, fused
 from pnm_kernels.backends import triton as triton_backend
 from pnm_kernels.backends import triton_tables
@@ -89,7 +89,7 @@ def refuse_next_held_fused_step(monkeypatch):
 def extension_unavailable(monkeypatch, reason):
     """The backends see no compiled extension (pnm_kernels._C), for `reason`; nothing else
     changes. Sets `extension_error` wherever the package reads it."""
-    for module in (base, fused, aliasing, batching, backends):
+    for module in (base, fused, aliasing, batching, backends, traced):
         monkeypatch.setattr(module, "extension_error", lambda: reason)
 
 

@@ -8,6 +8,8 @@ from torch._dynamo.testing import CompileCounter
 
 import cases
 from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
+from internals import triton_only_install
+from pnm_kernels import aliasing
 
 pytestmark = requires_extension
 
@@ -215,6 +217,129 @@ def test_a_cpu_counter_filled_with_no_count_of_steps_is_refused_by_the_compiled_
     assert [int(opt.state[p]["step"]) for p in params] == [3, 3]
 
 
+_FIRST, _SECOND = (rf"param_groups\[0\]\['params'\]\[{i}\]" for i in (0, 1))
+
+
+def _grad_is_its_own_state(opt, p, q):
+    p.grad = opt.state[p]["exp_avg"]
+
+
+def _grad_views_another_parameter(opt, p, q):
+    p.grad = q.detach()[:]
+
+
+def _grad_views_another_state(opt, p, q):
+    p.grad = opt.state[q]["neg_exp_avg"][:]
+
+
+def _state_views_another_state(opt, p, q):
+    opt.state[p]["exp_avg_sq"] = opt.state[q]["exp_avg_sq"][:]
+
+
+def _lr_views_a_parameter(opt, p, q):
+    opt.param_groups[0]["lr"] = q.detach()[0, 0]
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_grad_is_its_own_state, rf"{_FIRST}.*: its state 'exp_avg' is the very tensor of its gradient"),
+    (_grad_views_another_parameter, rf"{_SECOND}.* shares memory with {_FIRST}.*'s gradient"),
+    (_grad_views_another_state, rf"{_SECOND}.*: its state 'neg_exp_avg' shares memory with {_FIRST}"),
+    (_state_views_another_state, rf"{_SECOND}.*: its state 'exp_avg_sq' shares memory with {_FIRST}"
+                                 r".*'s state 'exp_avg_sq'"),
+    (_lr_views_a_parameter, rf"param_groups\[0\]\['lr'\] \(a tensor\) shares memory with {_SECOND}")],
+    ids=["grad-own-state", "grad-other-param", "grad-other-state", "state-other-state", "lr"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_memory_shared_after_tracing_is_refused_by_the_compiled_step_as_in_eager(compiler, edit,
+                                                                                 match):
+    """Dynamo guards the layout of gradients, lrs and state tensors, not their memory: the
+    graph checks, at every step, that nothing it writes shares memory with anything else it
+    reads or writes (traced._check_memory_apart), and refuses as the eager step refuses,
+    naming both, before anything is written; the same graph steps again once mended."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.rand(4, 3, generator=gen).requires_grad_() for _ in range(2)]  # lrs >= 0
+    opt = OPTIMIZERS["AdaPNM"](params, lr=torch.tensor(1e-2), backend="fused")
+    step = torch.compile(opt.step, backend=compiler)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        step()
+    values = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    edit(opt, *params)
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            step()
+    finally:
+        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
+    for p, v, state in zip(params, values, states):
+        assert torch.equal(p, v)
+        assert all(torch.equal(opt.state[p][k], value) for k, value in state.items())
+
+
+def test_the_screen_of_the_compiled_step_misses_no_memory_the_exact_check_finds_shared(
+        monkeypatch):
+    """aliasing.extents_meet, in C++ and in Python alike, says "meet" for every pair of
+    views (slices, strided slices, columns, rows, transposes, touching and disjoint) whose
+    elements share memory, written with written and read with written, and "apart" for
+    disjoint extents; read with read is never a hit."""
+    from pnm_kernels.aliasing import (GRADIENT, PARAMETER, MemoryClaims, SharedMemoryError,
+                                      extents_meet)
+    base = torch.zeros(8, 8)
+    views = [base[0], base[1], base[:2], base[1:3], base[:, 0], base[:, 1], base[::2],
+             base[1::2], base.t(), base[0, :4], base[0, 4:], base[7], torch.zeros(8)]
+    for a in views:
+        for b in views:
+            claims = MemoryClaims()
+            claims.add(a, "a", PARAMETER)
+            claims.add(b, "b", GRADIENT)
+            try:
+                claims.check()
+                shared = False
+            except SharedMemoryError:
+                shared = True
+            screens = [extents_meet([a], [b]), extents_meet([a, b], []),
+                       extents_meet([], [a, b])]
+            with monkeypatch.context() as m:
+                m.setattr(aliasing, "extension_error", lambda: "not built, for the test")
+                assert [extents_meet([a], [b]), extents_meet([a, b], []),
+                        extents_meet([], [a, b])] == screens
+            if shared:
+                assert screens[:2] == [True, True], (a.stride(), b.stride())
+            assert not screens[2]
+            if a is not b and a.data_ptr() + a.numel() * 4 <= b.data_ptr() and a.is_contiguous():
+                assert screens[:2] == [False, False]  # disjoint (or touching) extents
+
+
+@pytest.mark.parametrize("edit", ["counter", "gradient"])
+def test_the_compiled_steps_checks_without_the_compiled_extension(edit, monkeypatch):
+    """On a Triton-only install the traced step runs foreach ops, and the checks of the
+    counters and of the memory are Python ops: a counter filled in place and a gradient put
+    into a state buffer are refused as with the extension, before anything is written."""
+    triton_only_install(monkeypatch)
+    torch._dynamo.reset()
+    params = [torch.rand(4, 3).requires_grad_() for _ in range(2)]
+    opt = OPTIMIZERS["AdaPNM"](params, lr=torch.tensor(1e-2), backend="foreach")
+    step = torch.compile(opt.step, backend="aot_eager")
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        step()
+    values = [p.detach().clone() for p in params]
+    if edit == "counter":
+        opt.state[params[1]]["step"].fill_(-1)
+        match = rf"{_SECOND}: its state 'step' is -1.0, not a whole number"
+    else:
+        params[0].grad = opt.state[params[0]]["exp_avg"]
+        match = rf"{_FIRST}.*: its state 'exp_avg' is the very tensor of its gradient"
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            step()
+    finally:
+        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+
+
 def test_a_group_that_does_not_step_reads_no_lr_so_its_lr_may_lie_anywhere():
     """As in eager: a group without gradients does not step, so its tensor lr in a stepping
     parameter's memory is no memory the step both reads and writes."""
@@ -235,12 +360,18 @@ def test_a_group_that_does_not_step_reads_no_lr_so_its_lr_may_lie_anywhere():
     assert not torch.equal(runs[1][0], torch.ones(4))
 
 
-def test_the_counters_check_passes_opcheck():
-    """Its schema (declared as writing the counters: see traced._check_step_counts) and fake
-    kernel are what torch.compile needs."""
-    from pnm_kernels.traced import _check_step_counts
+@pytest.mark.parametrize("op", ["check_step_counts", "check_memory_apart",
+                                "check_step_counts_in_python", "check_memory_apart_in_python"])
+def test_the_checks_inside_the_compiled_step_pass_opcheck(op):
+    """Their schemas (declared as writing the counters: see traced._check_step_counts) and
+    fake kernels are what torch.compile needs; in C++ and, for an install without the
+    extension, in Python."""
     counters = [torch.tensor(3.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)]
-    torch.library.opcheck(_check_step_counts, (counters, [0, 1], [0, 0]))
+    params = [torch.randn(4, requires_grad=True) for _ in range(2)]
+    grads = [torch.randn(4) for _ in params]
+    args = ((counters, [0, 1], [0, 0]) if "counts" in op
+            else (counters, params, grads, 0))  # apart: the optimizer is never looked up
+    torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, args)
 
 
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
