@@ -66,6 +66,7 @@ class StepInBackward:
         self._zero_filled = False
         self._ever: dict = {}
         self._since_step: set = set()
+        self._closing = False  # removed between backward and step(): see remove()
         self._hooks: list = []
         self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
         self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
@@ -125,7 +126,10 @@ class StepInBackward:
     # -- the user's side -------------------------------------------------------------------
 
     def remove(self) -> None:
-        """The ordinary step again (gradients kept until optimizer.step())."""
+        """The ordinary step again (gradients kept until optimizer.step()). Between a
+        backward pass that stepped inside it and step(), that step() still completes the
+        pass's step as the handle would (DDP's stepped parameters set aside, parameters
+        zero-filled by zero_grad(set_to_none=False) stepped), then the handle is gone."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -133,6 +137,21 @@ class StepInBackward:
         for reduced in self._reduced:  # DDP keeps the hook: it reduces
             if self.reduced_steps in reduced.handles:
                 reduced.handles.remove(self.reduced_steps)
+        reduced = self.reduced_steps
+        if not self._probing and (self._since_step or (reduced is not None and reduced.open())):
+            self._closing = True  # see after_step and zeroing
+        else:
+            self._detach()
+
+    def _detach(self) -> None:
+        """Gives back what the ordinary loop would hold: under zero_grad(set_to_none=False)
+        a zero gradient for every parameter that ever had one (freed here), so that the
+        ordinary step steps those the loss no longer reaches, as it would have."""
+        if self._zero_filled and not self._probing:
+            for p in self.still_stepped(p for key, p in self._ever.items()
+                                        if p.grad is None and key not in self._reduced_here):
+                p.grad = torch.zeros_like(p)
+        self._ever = {}
         if getattr(self._optimizer, "_in_backward", None) is self:
             self._optimizer._in_backward = None
 
@@ -235,13 +254,19 @@ class StepInBackward:
 
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
+        failed = self._flush_queued  # a pass whose end never came: it raised (an OOM, say)
         self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
+        if failed:  # its batch skipped: what stepped stays stepped, the next pass steps anew
+            self._since_step = set()
         self._hypers_at_backward = None
         if self.reduced_steps is not None:
             self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
         if set_to_none:  # no gradient left for the ordinary step to step with zeros later
             self._ever = {}
+        if self._closing:  # removed, and the pass's step() skipped
+            self._since_step = set()
+            self._detach()
 
     # -- optimizer.step() --------------------------------------------------------------------
 
@@ -332,6 +357,8 @@ class StepInBackward:
         """optimizer.step() is done (or raised): DDP's gradients kept aside are back."""
         if self.reduced_steps is not None:
             self.reduced_steps.after_step()
+        if self._closing:
+            self._detach()
 
 
 # A parameter whose gradient is made twice between steps would step twice, each time with a

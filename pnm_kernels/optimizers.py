@@ -19,8 +19,8 @@ from .hyper import (ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, saved_state_dtype,
 from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
-from .state import (REFUSED_LOAD, OptimizerState, ParamState, as_step, is_one_number, keys_read,
-                    put, tracked)
+from .counters import as_step, is_one_number
+from .state import REFUSED_LOAD, OptimizerState, ParamState, keys_read, put, tracked
 
 BACKENDS = BACKEND_NAMES
 # The group keys load_state_dict keeps from the loading optimizer (how it runs).

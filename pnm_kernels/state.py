@@ -13,7 +13,8 @@ from typing import Callable, Optional
 import torch
 
 from . import quantization
-from .backends.base import STEP_DTYPE, is_whole_count
+from .backends.base import STEP_DTYPE
+from .counters import as_seed, as_step, count_problem, is_one_number, seed_problem
 from .layout import is_dense, same_dense_layout
 
 # How often anyone but the optimizers changed which tensors a state holds. One counter for
@@ -136,16 +137,6 @@ def tracked(state) -> OptimizerState:
     return OptimizerState(None, state)
 
 
-def as_step(step, p) -> torch.Tensor:
-    """A step counter as the backends take it: a STEP_DTYPE tensor on its parameter's device
-    (a Python int in the authors' checkpoints; one set by hand may be anything numeric)."""
-    if torch.is_tensor(step):
-        if step.dim() != 0:  # a one-element tensor of another shape, set by hand
-            step = step.detach().reshape(())
-        return step.to(device=p.device, dtype=STEP_DTYPE)  # itself where it is one already
-    return torch.as_tensor(float(step), dtype=STEP_DTYPE).to(p.device)
-
-
 def is_plain(t) -> bool:
     """A plain tensor or Parameter, not a subclass such as DTensor."""
     return type(t) in (torch.Tensor, torch.nn.Parameter)
@@ -196,16 +187,6 @@ CODE_DTYPES = (torch.int8, torch.uint8)
 REFUSED_LOAD = "written_by_refused_load"
 
 
-def as_seed(seed, p) -> torch.Tensor:
-    """A random-bits seed as the backends take it: an int64 tensor on its parameter's device
-    (torch's load_state_dict casts it to the parameter's dtype: exact below 2^24)."""
-    if torch.is_tensor(seed):
-        if seed.dtype == torch.int64 and seed.device == p.device and seed.dim() == 0:
-            return seed
-        seed = int(seed.detach().reshape(()).item())
-    return torch.tensor(int(seed), dtype=torch.int64, device=p.device)
-
-
 def check_state(state: dict, p, names) -> None:
     """Raises what ensure_state would raise for p's state (BufferShapeError,
     CodesWithoutScalesError, StateValueError), touching nothing: a step checks every
@@ -221,8 +202,9 @@ def check_state(state: dict, p, names) -> None:
         if value is None:
             continue
         if is_one_number(value):
-            if key == "step":
-                _check_count(value)
+            problem = (count_problem if key == "step" else seed_problem)(value)
+            if problem:
+                raise StateValueError(key, problem)
             continue
         if torch.is_tensor(value) and value.numel() != 1:
             raise StateValueError(key, f"has {value.numel()} elements, not one")
@@ -231,26 +213,12 @@ def check_state(state: dict, p, names) -> None:
     for name in names:
         if entry.get(name) is not None:
             _check_buffer(entry, name, p)
-
-
-def _check_count(step) -> None:
-    """A counter a step can advance: a whole number of steps, not negative (at -1 the next
-    step divides by a bias correction of 0; at 2.5 the kernels' bias corrections use 3.5,
-    the reference's 3). One on a device is not read back: that would synchronise."""
-    if torch.is_tensor(step):
-        if step.device.type != "cpu":
-            return
-        step = step.item()
-    if not is_whole_count(step):
-        raise StateValueError("step", f"is {step!r}, not a whole number of steps >= 0")
-
-
-def is_one_number(value) -> bool:
-    """A step counter or seed as it may come: a real number, or a real tensor of one element
-    (as_step and as_seed take either)."""
-    if torch.is_tensor(value):
-        return value.numel() == 1 and not value.is_complex() and value.dtype != torch.bool
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)  # numpy's too
+    if not _local(p).is_meta:  # state made by a dry run on a meta model, say
+        for key in keys_read(names):
+            value = entry.get(key)
+            if isinstance(value, torch.Tensor) and _local(value).is_meta:
+                raise StateValueError(key, "is on the meta device (no data), beside a "
+                                      "parameter with data")
 
 
 def keys_read(names) -> tuple:

@@ -178,7 +178,8 @@ def test_two_optimizers_of_one_ddp_model_each_step_their_parameters_in_backward(
 
 def _one_rank_ddp_attached(events, static_graph):
     """Twelve steps of a DDP model; `events`: step index -> "on" (step_in_backward(ddp=...))
-    or "off" (the handle removed: DDP keeps the hook, which then only reduces). Returns the
+    or "off" (the handle removed: DDP keeps the hook, which then only reduces; before the
+    step's zero_grad, or with "off-before-step" between its backward and step()). Returns the
     parameters and the steps that stepped no bucket inside backward (ordinary steps)."""
     model = _model().to(ONE_RANK_DEVICE)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
@@ -197,6 +198,8 @@ def _one_rank_ddp_attached(events, static_graph):
         torch.nn.functional.mse_loss(ddp(xs[t]), ys[t]).backward()
         if len(buckets) == before:
             ordinary.append(i)
+        if events.get(i) == "off-before-step":
+            handle.remove()
         opt.step()
     return [p.detach().cpu() for p in model.parameters()], ordinary
 
@@ -208,7 +211,10 @@ def _one_rank_ddp_attached(events, static_graph):
     ({0: "on"}, {"dynamic": [0], "static-graph": [0, 1]}),
     ({3: "on"}, [0, 1, 2, 3]),  # attached mid-training: the probe is step 3
     ({2: "on", 5: "off", 8: "on"}, [0, 1, 2, 5, 6, 7, 8]),  # removed, then attached again
-], ids=["from-the-start", "mid-training", "removed-and-again"])
+    # Removed between backward and step(): that step() completes the pass's (no bucket
+    # stepped twice).
+    ({2: "on", 5: "off-before-step", 8: "on"}, [0, 1, 2, 6, 7, 8]),
+], ids=["from-the-start", "mid-training", "removed-and-again", "removed-before-step"])
 def test_ddp_step_in_backward_attached_and_removed_between_steps(one_rank, events,
                                                                   ordinary_steps,
                                                                   static_graph):

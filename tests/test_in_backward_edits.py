@@ -70,6 +70,71 @@ def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_l
     assert_same_bits(opt_a, params_a, opt_b, params_b)
 
 
+def _removed_mid_training(in_backward, backend, remove_at):
+    """zero_grad(set_to_none=False); the handle removed at step 2, before zero_grad or
+    between backward and step(); the second layer unreached from then on."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt = PNM([*a.parameters(), *b.parameters()], lr=0.1, weight_decay=0.1, backend=backend)
+    handle = opt.step_in_backward(bucket_mib=1e-6) if in_backward else None
+    gen = torch.Generator().manual_seed(1)
+    for k in range(5):
+        if k == 2 and handle is not None and remove_at == "before-zero-grad":
+            handle.remove()
+        opt.zero_grad(set_to_none=False)
+        x = torch.randn(8, 4, generator=gen)
+        (b(a(x)) if k < 2 else a(x)).square().mean().backward()
+        if k == 2 and handle is not None and remove_at == "before-step":
+            handle.remove()
+        opt.step()
+    return [a, b], opt
+
+
+@pytest.mark.parametrize("remove_at", ["before-zero-grad", "before-step"])
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_removed_under_zero_filled_gradients_the_ordinary_step_steps_what_it_would(backend,
+                                                                                  remove_at):
+    """The step in backward freed the gradients the ordinary loop would keep (zeros, under
+    zero_grad(set_to_none=False)): remove() gives them back, so the ordinary step goes on
+    stepping the layer the loss no longer reaches; removed between backward and step(),
+    that step() still completes the pass's step as the handle would."""
+    (layers, opt), (ordinary, ordinary_opt) = (_removed_mid_training(True, backend, remove_at),
+                                               _removed_mid_training(False, backend, remove_at))
+    params = [p for layer in layers for p in layer.parameters()]
+    ordinary_params = [p for layer in ordinary for p in layer.parameters()]
+    assert [int(opt.state[p]["step"]) for p in params] == [5] * 4
+    for p, q in zip(params, ordinary_params):
+        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+        assert all(torch.equal(v, ordinary_opt.state[q][k]) for k, v in opt.state[p].items())
+    assert opt._in_backward is None
+
+
+def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
+    """A backward pass that raises after some buckets stepped (an OOM the loop catches,
+    zero_grad(), the next batch): what stepped stays stepped (§9), and the next passes step
+    inside backward as before, not refused as a second gradient before a step()."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
+    opt = PNM(model.parameters(), lr=0.1)
+    opt.step_in_backward(bucket_mib=1e-6)  # a parameter a bucket
+    gen = torch.Generator().manual_seed(1)
+    failed = 0
+    for k in range(4):
+        opt.zero_grad()
+        hidden = model[0](torch.randn(8, 4, generator=gen))
+        if k == 2:  # fails after the last layer's buckets stepped
+            hidden = _FailsInBackward.apply(hidden)
+        try:
+            model[1](hidden).square().mean().backward()
+        except RuntimeError:
+            failed += 1
+            continue
+        opt.step()
+    assert failed == 1
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [3, 3, 4, 4]
+    assert all(p.grad is None for p in model.parameters())
+
+
 def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
     model = _model()
     opt = PNM(model.parameters(), lr=1e-2)
