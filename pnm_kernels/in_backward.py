@@ -57,6 +57,7 @@ class StepInBackward:
         self._flush_queued = False
         self._pass = None  # the backward pass (graph task) whose end will flush the bucket
         self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its fingerprint)
+        self._param_versions: dict = {}  # probe: id(p) -> p's version as its gradient came
         # Each group's hyper-parameters when this step's first gradient was made, to find those
         # changed between backward and step(), which the buckets stepped without.
         self._hypers_at_backward: dict | None = None
@@ -233,6 +234,7 @@ class StepInBackward:
         self._note_hypers()
         _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
         self._seen[id(p)] = (p, passes + 1, grad, bits)
+        self._param_versions[id(p)] = local(p)._version
 
     def saw_reduced(self, p, bits) -> None:
         """The probe's DDP parameter p: its gradient should hold these bits (of DDP's average)
@@ -305,6 +307,7 @@ class StepInBackward:
         if self.reduced_steps is not None:
             self.reduced_steps.probed()  # the sums of the gradients DDP reduced
         seen, self._seen = self._seen, {}  # a refused probe is retried afresh
+        versions, self._param_versions = self._param_versions, {}
         if not seen:  # no backward pass before this step (a step before training, DCP's
             return True  # state initialisation): the probe is the next one
         if changed is not None:
@@ -314,6 +317,14 @@ class StepInBackward:
                 raise RuntimeError(_TWICE.format(
                     f"{passes} backward passes reached a parameter of shape {tuple(p.shape)} "
                     "before this step"))
+            if local(p)._version != versions.get(id(p)):
+                raise RuntimeError(
+                    "step_in_backward: a parameter (of shape "
+                    f"{tuple(p.shape)}) was changed in place between backward and step "
+                    "(weight clipping, `p.clamp_()`, a manual decay), which the ordinary "
+                    "step would step from but a step inside backward came before: edit "
+                    "parameters after optimizer.step() (before the next backward), or use "
+                    "the ordinary step")
             now = p.grad
             if (now is None or (grad is not None and now is not grad)
                     or not same(seen_bits, fingerprint(now))):

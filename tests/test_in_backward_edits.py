@@ -135,6 +135,54 @@ def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
     assert all(p.grad is None for p in model.parameters())
 
 
+def _clipped_weights(in_backward, clip_at):
+    """WGAN-style weight clipping (`p.clamp_()`), between backward and step() or after
+    step() (before the next backward)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = PNM(model.parameters(), lr=0.1)
+    if in_backward:
+        opt.step_in_backward()
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        opt.zero_grad()
+        model(torch.randn(8, 4, generator=gen)).square().mean().backward()
+        for when in ("before-step", "after-step"):
+            if when == "after-step":
+                opt.step()
+            if when == clip_at:
+                with torch.no_grad():
+                    for p in model.parameters():
+                        p.clamp_(-0.2, 0.2)
+    return model, opt
+
+
+def test_parameters_edited_between_backward_and_step_are_refused_by_the_probe_nothing_stepped():
+    """The ordinary step steps from the edited parameters; inside backward the step came
+    first: the probe sees a parameter's version changed since its gradient was made and
+    refuses, before anything stepped. Edited after step() (before the next backward), the
+    step in backward gives the ordinary loop's bits."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    opt = PNM(model.parameters(), lr=0.1)
+    opt.step_in_backward()
+    model(torch.randn(8, 4)).square().mean().backward()
+    with torch.no_grad():
+        model[0].weight.clamp_(-0.2, 0.2)
+    clipped = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"\(of shape \(8, 4\)\) was changed in place "
+                                           "between backward and step"):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(model.parameters(), clipped))
+    assert not opt.state
+    with pytest.raises(RuntimeError, match=r"changed in place between backward and step"):
+        _clipped_weights(True, "before-step")  # every step, from the first
+    (model, opt), (ordinary, _) = (_clipped_weights(True, "after-step"),
+                                   _clipped_weights(False, "after-step"))
+    assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ordinary.parameters()))
+    assert all(int(opt.state[p]["step"]) == 3 for p in model.parameters())
+
+
 def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
     model = _model()
     opt = PNM(model.parameters(), lr=1e-2)
