@@ -138,8 +138,8 @@ class StepInBackward:
         for reduced in self._reduced:  # DDP keeps the hook: it reduces
             if self.reduced_steps in reduced.handles:
                 reduced.handles.remove(self.reduced_steps)
-        reduced = self.reduced_steps
-        if not self._probing and (self._since_step or (reduced is not None and reduced.open())):
+        in_ddp = self.reduced_steps
+        if not self._probing and (self._since_step or (in_ddp is not None and in_ddp.open())):
             self._closing = True  # see after_step and zeroing
         else:
             self._detach()
