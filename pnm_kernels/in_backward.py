@@ -57,7 +57,10 @@ class StepInBackward:
         self._flush_queued = False
         self._pass = None  # the backward pass (graph task) whose end will flush the bucket
         self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its fingerprint)
-        self._param_versions: dict = {}  # probe: id(p) -> p's version as its gradient came
+        # probe: id(p) -> the sum of p's bit patterns as its gradient came (not its version:
+        # parameters made of views of one buffer share one counter, and `p.data.clamp_()`
+        # bumps none that p has)
+        self._param_bits: dict = {}
         # Each group's hyper-parameters when this step's first gradient was made, to find those
         # changed between backward and step(), which the buckets stepped without.
         self._hypers_at_backward: dict | None = None
@@ -67,7 +70,6 @@ class StepInBackward:
         self._zero_filled = False
         self._ever: dict = {}
         self._since_step: set = set()
-        self._closing = False  # removed between backward and step(): see remove()
         self._hooks: list = []
         self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
         self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
@@ -128,9 +130,9 @@ class StepInBackward:
 
     def remove(self) -> None:
         """The ordinary step again (gradients kept until optimizer.step()). Between a
-        backward pass that stepped inside it and step(), that step() still completes the
-        pass's step as the handle would (DDP's stepped parameters set aside, parameters
-        zero-filled by zero_grad(set_to_none=False) stepped), then the handle is gone."""
+        backward pass that stepped inside it and step(), the pass's step is completed
+        first as far as it can be (DDP's last bucket steps; a parameter that stepped keeps
+        no gradient, so that the step() that follows steps only the others)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -138,23 +140,22 @@ class StepInBackward:
         for reduced in self._reduced:  # DDP keeps the hook: it reduces
             if self.reduced_steps in reduced.handles:
                 reduced.handles.remove(self.reduced_steps)
-        in_ddp = self.reduced_steps
-        if not self._probing and (self._since_step or (in_ddp is not None and in_ddp.open())):
-            self._closing = True  # see after_step and zeroing
-        else:
-            self._detach()
-
-    def _detach(self) -> None:
-        """Gives back what the ordinary loop would hold: under zero_grad(set_to_none=False)
-        a zero gradient for every parameter that ever had one (freed here), so that the
-        ordinary step steps those the loss no longer reaches, as it would have."""
-        if self._zero_filled and not self._probing:
-            for p in self.still_stepped(p for key, p in self._ever.items()
-                                        if p.grad is None and key not in self._reduced_here):
-                p.grad = torch.zeros_like(p)
-        self._ever = {}
+        if self.reduced_steps is not None and not self._probing:
+            self.reduced_steps.before_step()  # the gradients set aside are not put back
+        self._give_back_zeros()
         if getattr(self._optimizer, "_in_backward", None) is self:
             self._optimizer._in_backward = None
+
+    def _give_back_zeros(self) -> None:
+        """Under zero_grad(set_to_none=False) the ordinary loop keeps a zero gradient for
+        every parameter that ever had one (freed here, but for those stepped since the last
+        step()), and the ordinary step steps those the loss no longer reaches."""
+        if self._zero_filled and not self._probing:
+            for p in self.still_stepped(p for key, p in self._ever.items()
+                                        if p.grad is None and key not in self._since_step
+                                        and key not in self._reduced_here):
+                p.grad = torch.zeros_like(p)
+        self._ever, self._since_step = {}, set()
 
     def __enter__(self) -> "StepInBackward":
         return self
@@ -234,7 +235,7 @@ class StepInBackward:
         self._note_hypers()
         _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
         self._seen[id(p)] = (p, passes + 1, grad, bits)
-        self._param_versions[id(p)] = local(p)._version
+        self._param_bits[id(p)] = fingerprint(p.detach())[1]
 
     def saw_reduced(self, p, bits) -> None:
         """The probe's DDP parameter p: its gradient should hold these bits (of DDP's average)
@@ -266,9 +267,6 @@ class StepInBackward:
         self._zero_filled = not set_to_none
         if set_to_none:  # no gradient left for the ordinary step to step with zeros later
             self._ever = {}
-        if self._closing:  # removed, and the pass's step() skipped
-            self._since_step = set()
-            self._detach()
 
     # -- optimizer.step() --------------------------------------------------------------------
 
@@ -307,7 +305,7 @@ class StepInBackward:
         if self.reduced_steps is not None:
             self.reduced_steps.probed()  # the sums of the gradients DDP reduced
         seen, self._seen = self._seen, {}  # a refused probe is retried afresh
-        versions, self._param_versions = self._param_versions, {}
+        param_bits, self._param_bits = self._param_bits, {}
         if not seen:  # no backward pass before this step (a step before training, DCP's
             return True  # state initialisation): the probe is the next one
         if changed is not None:
@@ -317,7 +315,7 @@ class StepInBackward:
                 raise RuntimeError(_TWICE.format(
                     f"{passes} backward passes reached a parameter of shape {tuple(p.shape)} "
                     "before this step"))
-            if local(p)._version != versions.get(id(p)):
+            if not same((None, param_bits.get(id(p))), fingerprint(p.detach())):
                 raise RuntimeError(
                     "step_in_backward: a parameter (of shape "
                     f"{tuple(p.shape)}) was changed in place between backward and step "
@@ -368,8 +366,6 @@ class StepInBackward:
         """optimizer.step() is done (or raised): DDP's gradients kept aside are back."""
         if self.reduced_steps is not None:
             self.reduced_steps.after_step()
-        if self._closing:
-            self._detach()
 
 
 # A parameter whose gradient is made twice between steps would step twice, each time with a

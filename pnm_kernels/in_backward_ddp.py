@@ -172,10 +172,6 @@ class ReducedSteps:
             p.grad = grad
         self._set_aside = []
 
-    def open(self) -> bool:
-        """Whether buckets stepped (or wait to) since the last step()."""
-        return bool(self._pending or self._stepped)
-
     def zeroing(self) -> None:
         """zero_grad() before any step(): a pass (failed, or whose step was skipped) leaves
         its last bucket unstepped, as the ordinary loop would."""

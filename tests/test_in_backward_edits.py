@@ -135,9 +135,9 @@ def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
     assert all(p.grad is None for p in model.parameters())
 
 
-def _clipped_weights(in_backward, clip_at):
-    """WGAN-style weight clipping (`p.clamp_()`), between backward and step() or after
-    step() (before the next backward)."""
+def _clipped_weights(in_backward, clip_at, through_data=False):
+    """WGAN-style weight clipping (`p.clamp_()`, or the original's `p.data.clamp_()`),
+    between backward and step() or after step() (before the next backward)."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
     opt = PNM(model.parameters(), lr=0.1)
@@ -153,7 +153,7 @@ def _clipped_weights(in_backward, clip_at):
             if when == clip_at:
                 with torch.no_grad():
                     for p in model.parameters():
-                        p.clamp_(-0.2, 0.2)
+                        (p.data if through_data else p).clamp_(-0.2, 0.2)
     return model, opt
 
 
@@ -175,12 +175,66 @@ def test_parameters_edited_between_backward_and_step_are_refused_by_the_probe_no
         opt.step()
     assert all(torch.equal(p, v) for p, v in zip(model.parameters(), clipped))
     assert not opt.state
-    with pytest.raises(RuntimeError, match=r"changed in place between backward and step"):
-        _clipped_weights(True, "before-step")  # every step, from the first
+    for through_data in (False, True):  # every step, from the first
+        with pytest.raises(RuntimeError, match=r"changed in place between backward and step"):
+            _clipped_weights(True, "before-step", through_data)
     (model, opt), (ordinary, _) = (_clipped_weights(True, "after-step"),
                                    _clipped_weights(False, "after-step"))
     assert all(torch.equal(p, q) for p, q in zip(model.parameters(), ordinary.parameters()))
     assert all(int(opt.state[p]["step"]) == 3 for p in model.parameters())
+
+
+def test_parameters_sharing_a_version_counter_are_not_taken_for_edited():
+    """Parameters made of views of one buffer share its version counter: another optimizer
+    stepping the sibling parameters between backward and step() edits none of these, and
+    the probe does not refuse them (it compares their bits)."""
+    runs = []
+    for in_backward in (True, False):
+        flat = torch.rand(4 * 4 + 4 + 4 + 1, generator=torch.Generator().manual_seed(0))
+        w1, b1, w2, b2 = (torch.nn.Parameter(flat[:16].view(4, 4)),
+                          torch.nn.Parameter(flat[16:20]),
+                          torch.nn.Parameter(flat[20:24].view(1, 4)),
+                          torch.nn.Parameter(flat[24:]))
+        sgd = torch.optim.SGD([w1, w2], lr=0.1)
+        opt = PNM([b1, b2], lr=0.1)
+        if in_backward:
+            opt.step_in_backward()
+        gen = torch.Generator().manual_seed(0)
+        for _ in range(3):
+            sgd.zero_grad()
+            opt.zero_grad()
+            x = torch.randn(8, 4, generator=gen)
+            torch.nn.functional.linear(torch.tanh(torch.nn.functional.linear(x, w1, b1)), w2,
+                                       b2).square().mean().backward()
+            sgd.step()  # writes w1, w2: the buffer's counter, which b1 and b2 share
+            opt.step()
+        runs.append(flat)
+    assert torch.equal(*runs)
+
+
+def test_after_remove_between_backward_and_step_the_optimizer_is_free_at_once():
+    """remove() between a backward pass that stepped and step() completes what it can of
+    that step and lets go of the optimizer: a group added then is not hooked, and a new
+    handle may be made at once."""
+    torch.manual_seed(0)
+    model, extra = torch.nn.Linear(4, 1), torch.nn.Linear(4, 1)
+    opt = PNM(model.parameters(), lr=0.1)
+    handle = opt.step_in_backward()
+    for _ in range(2):  # the probe, then a step inside backward
+        opt.zero_grad()
+        model(torch.randn(8, 4)).square().mean().backward()
+        if _ == 1:
+            handle.remove()
+        opt.step() if _ == 0 else None
+    assert opt._in_backward is None
+    opt.add_param_group(dict(params=extra.parameters()))
+    opt.step_in_backward().remove()  # not refused as "already steps inside backward"
+    opt.step()
+    (model(torch.randn(8, 4)) + extra(torch.randn(8, 4))).square().mean().backward()
+    assert all(p.grad is not None for p in extra.parameters())  # no hook freed them
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [3, 3]
+    assert [int(opt.state[p]["step"]) for p in extra.parameters()] == [1, 1]
 
 
 def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
