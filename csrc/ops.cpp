@@ -184,8 +184,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_extents_meet(Tensor[] written, Tensor[] read) -> bool", &pnm::extents_meet);
   // Declared as writing the counters, so that the compiler orders every step after them.
   m.def("check_step_counts(Tensor(a!)[] steps, int[] groups, int[] places) -> ()");
-  m.def("check_memory_apart(Tensor(a!)[] steps, Tensor[] written, Tensor[] read, "
-        "int optimizer) -> ()");
+  m.def("check_memory_apart(Tensor(a!)[] steps, Tensor[] written, Tensor[] read) -> ()");
   m.def("_launch_plan(int[] numels, int element_size, int max_single_launch_blocks=0) -> int[]",
         &pnm::launch_plan);
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);

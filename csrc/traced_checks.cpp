@@ -4,6 +4,9 @@
 #include <pybind11/pybind11.h>
 
 #include <cmath>
+#include <cstdint>
+#include <mutex>
+#include <unordered_set>
 #include <vector>
 
 #include "written_memory.h"
@@ -20,6 +23,50 @@ void call_traced(const char* name, Args&&... args) {
   py::gil_scoped_acquire gil;
   py::module_::import("pnm_kernels.traced").attr(name)(std::forward<Args>(args)...);
 }
+
+// Where the optimizer whose step this is can be found (traced._traced_optimizer): the first
+// of these tensors (its parameters, then its state) with memory. No constant of the graph
+// names the optimizer: the compiled code would differ in every process, and inductor's
+// caches never hit. (Not the counters: an op declared as writing them may get copies.)
+uintptr_t optimizer_of(at::TensorList tensors) {
+  for (const at::Tensor& t : tensors) {
+    if (t.defined() && t.has_storage() && t.numel() > 0) {
+      return reinterpret_cast<uintptr_t>(t.const_data_ptr());
+    }
+  }
+  return 0;
+}
+
+// Where each tensor lies and how it is laid out: what decides whether elements meet.
+uint64_t layout_hash(const std::vector<at::Tensor>& claimed) {
+  uint64_t h = 0x9E3779B97F4A7C15ull;
+  const auto mix = [&h](uint64_t v) { h = (h ^ v) * 0x100000001B3ull + (h >> 29); };
+  mix(claimed.size());
+  for (const at::Tensor& t : claimed) {
+    if (!t.defined() || !t.has_storage()) {
+      mix(0);
+      continue;
+    }
+    mix(reinterpret_cast<uintptr_t>(t.const_data_ptr()));
+    mix(t.element_size());
+    for (int64_t d = 0; d < t.dim(); ++d) {
+      mix(static_cast<uint64_t>(t.size(d)));
+      mix(static_cast<uint64_t>(t.stride(d)));
+    }
+  }
+  return h;
+}
+
+// Whether one of `read` meets the extent of one of `claimed`, whose extents meet each other.
+bool extents_meet_read(const std::vector<at::Tensor>& claimed, at::TensorList read) {
+  WrittenMemory memory;  // merges the spans that meet
+  memory.add(claimed);
+  return memory.grads_met(read.vec());
+}
+
+constexpr size_t kClearedLayouts = 64;
+std::mutex cleared_mutex;
+std::unordered_set<uint64_t> cleared_layouts;
 
 }  // namespace
 
@@ -38,11 +85,33 @@ void check_step_counts(at::TensorList steps, at::IntArrayRef groups, at::IntArra
   }
 }
 
-void check_memory_apart(at::TensorList steps, at::TensorList written, at::TensorList read,
-                        int64_t optimizer) {
+void check_memory_apart(at::TensorList steps, at::TensorList written, at::TensorList read) {
   std::vector<at::Tensor> claimed = steps.vec();
   claimed.insert(claimed.end(), written.begin(), written.end());
-  if (extents_meet(claimed, read)) call_traced("_refuse_shared_memory", optimizer);
+  const ExtentsMeet meet = where_extents_meet(claimed, read);
+  if (meet == ExtentsMeet::kNowhere) return;
+  if (meet == ExtentsMeet::kReadInWritten) {  // gradients are new every step: not remembered
+    call_traced("_refuse_shared_memory", optimizer_of(written));
+    return;
+  }
+  // Extents of what the step writes meet where elements may not (strided views that
+  // interleave): a layout the element-wise check passed is not sent to Python again at every
+  // step. (A gradient meeting them is screened alone then.)
+  const uint64_t layout = layout_hash(claimed);
+  bool cleared = false;
+  {
+    std::lock_guard<std::mutex> lock(cleared_mutex);
+    cleared = cleared_layouts.count(layout) > 0;
+  }
+  if (!cleared) {
+    call_traced("_refuse_shared_memory", optimizer_of(written));  // raises, or passes:
+    std::lock_guard<std::mutex> lock(cleared_mutex);
+    if (cleared_layouts.size() >= kClearedLayouts) cleared_layouts.clear();
+    cleared_layouts.insert(layout);
+  }
+  if (!read.empty() && extents_meet_read(claimed, read)) {
+    call_traced("_refuse_shared_memory", optimizer_of(written));
+  }
 }
 
 }  // namespace pnm

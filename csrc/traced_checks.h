@@ -17,8 +17,8 @@ void check_step_counts(at::TensorList steps, at::IntArrayRef groups, at::IntArra
 
 // Whether no two of the counters and `written` share memory, nor one of `read` (gradients,
 // tensor lrs) one of them, by their extents (extents_meet); else
-// traced._refuse_shared_memory(optimizer) checks them element by element and raises.
-void check_memory_apart(at::TensorList steps, at::TensorList written, at::TensorList read,
-                        int64_t optimizer);
+// traced._refuse_shared_memory(where the first of `written` lies) checks them element by element
+// and raises (or passes: strided views that interleave, a layout then remembered).
+void check_memory_apart(at::TensorList steps, at::TensorList written, at::TensorList read);
 
 }  // namespace pnm

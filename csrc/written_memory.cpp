@@ -55,6 +55,10 @@ inline bool is_small(uintptr_t begin, uintptr_t end) {
 }  // namespace
 
 bool extents_meet(at::TensorList written, at::TensorList read) {
+  return where_extents_meet(written, read) != ExtentsMeet::kNowhere;
+}
+
+ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read) {
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;
   spans.reserve(written.size());
   uintptr_t begin = 0, end = 0;
@@ -65,7 +69,7 @@ bool extents_meet(at::TensorList written, at::TensorList read) {
   // Merged as they are swept: the ends of the kept spans are sorted too.
   size_t kept = 0;
   for (const auto& s : spans) {
-    if (kept > 0 && s.first < spans[kept - 1].second) return true;
+    if (kept > 0 && s.first < spans[kept - 1].second) return ExtentsMeet::kAmongWritten;
     if (kept > 0 && s.first == spans[kept - 1].second) {
       spans[kept - 1].second = s.second;  // touching, not shared
     } else {
@@ -78,9 +82,9 @@ bool extents_meet(at::TensorList written, at::TensorList read) {
     const auto it = std::upper_bound(
         spans.begin(), spans.end(), begin,
         [](uintptr_t b, const std::pair<uintptr_t, uintptr_t>& s) { return b < s.second; });
-    if (it != spans.end() && it->first < end) return true;
+    if (it != spans.end() && it->first < end) return ExtentsMeet::kReadInWritten;
   }
-  return false;
+  return ExtentsMeet::kNowhere;
 }
 
 void WrittenMemory::add_tensor(const at::Tensor& t) {

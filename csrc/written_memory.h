@@ -26,6 +26,8 @@ struct HeldParams : torch::CustomClassHolder {
 // the compiled step's check of the memory it was given (traced.py), where nothing is held
 // between steps. Extents, not elements: a hit is then checked element by element.
 bool extents_meet(at::TensorList written, at::TensorList read);
+enum class ExtentsMeet { kNowhere, kAmongWritten, kReadInWritten };
+ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read);
 
 class WrittenMemory : public torch::CustomClassHolder {
  public:

@@ -42,7 +42,9 @@ def step(optimizer, scaling: Scaling) -> None:
         groups.append((group, lists, scales, batches))
     if counters[0]:  # none on a device: no op in the graph
         _check_step_counts(*counters)
-    _check_memory_apart(*_memory_of(optimizer, groups), id(optimizer))
+    steps, written, read = _memory_of(optimizer, groups)
+    if steps:  # a group steps
+        _check_memory_apart(steps, written, read)
     for group, lists, scales, batches in groups:
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
@@ -105,7 +107,7 @@ def _check_step_counts(steps: list, groups: list, places: list) -> None:
         _check_step_counts_in_python(steps, groups, places)
 
 
-def _check_memory_apart(steps: list, written: list, read: list, optimizer: int) -> None:
+def _check_memory_apart(steps: list, written: list, read: list) -> None:
     """The eager step's check that no two tensors it writes share memory, nor a gradient or
     tensor lr one of them (docs/design.md §5), run inside the traced step: dynamo guards
     the gradients', lrs' and state tensors' layouts, not their memory, so `p.grad = q.data`
@@ -114,9 +116,9 @@ def _check_memory_apart(steps: list, written: list, read: list, optimizer: int) 
     built); on a hit, _refuse_shared_memory. Declared as writing the counters for its place
     in the graph (see _check_step_counts)."""
     if extension_error() is None:
-        torch.ops.pnm_kernels.check_memory_apart(steps, written, read, optimizer)
+        torch.ops.pnm_kernels.check_memory_apart(steps, written, read)
     else:
-        _check_memory_apart_in_python(steps, written, read, optimizer)
+        _check_memory_apart_in_python(steps, written, read)
 
 
 def _refuse_step_count(group: int, place: int, value: float) -> None:
@@ -126,15 +128,37 @@ def _refuse_step_count(group: int, place: int, value: float) -> None:
                        "Restart its state with `del optimizer.state[param]`")
 
 
-# The optimizers whose step was traced, by id: _refuse_shared_memory names the culprits with
-# the eager step's own check of them.
-_TRACED: weakref.WeakValueDictionary = weakref.WeakValueDictionary()
+# The optimizers whose step was traced: a refusal finds its own by where a tensor of the
+# step lies (_traced_optimizer), as no constant of the graph names it.
+_TRACED: weakref.WeakSet = weakref.WeakSet()
 
 
-def _refuse_shared_memory(optimizer: int) -> None:
+def _traced_optimizer(where: int):
+    """The traced optimizer one of whose parameters (a shard's local tensor) or state tensors
+    lies at `where`; the only one alive where none is found (`where` 0: no tensor had
+    memory)."""
+    optimizers = list(_TRACED)
+    for optimizer in optimizers:
+        for group in optimizer.param_groups:
+            for p in group["params"]:
+                tensors = [local(p), *(local(t) for t in optimizer.state.get(p, {}).values()
+                                       if isinstance(t, torch.Tensor))]
+                if where and any(t.numel() and t.data_ptr() == where for t in tensors):
+                    return optimizer
+    if len(optimizers) == 1:
+        return optimizers[0]
+    raise RuntimeError("pnm_kernels: the compiled step's optimizer is not found")
+
+
+def _refuse_shared_memory(where: int) -> None:
     """The eager step's check of every group, which raises naming both tensors that share
     memory (or passes: strided views whose elements interleave, extents meeting)."""
-    _check_every_group(_TRACED[optimizer])
+    _check_every_group(_traced_optimizer(where))
+
+
+def _first_memory(tensors) -> int:
+    """csrc/traced_checks.cpp's optimizer_of."""
+    return next((t.data_ptr() for t in tensors if t.numel()), 0)
 
 
 @torch.library.custom_op("pnm_kernels::check_step_counts_in_python", mutates_args=("steps",))
@@ -148,10 +172,10 @@ def _check_step_counts_in_python(steps: list[torch.Tensor], groups: list[int],
 
 @torch.library.custom_op("pnm_kernels::check_memory_apart_in_python", mutates_args=("steps",))
 def _check_memory_apart_in_python(steps: list[torch.Tensor], written: list[torch.Tensor],
-                                  read: list[torch.Tensor], optimizer: int) -> None:
+                                  read: list[torch.Tensor]) -> None:
     """csrc/traced_checks.h's check_memory_apart, for an install without the extension."""
     if extents_meet(steps + written, read):
-        _refuse_shared_memory(optimizer)
+        _refuse_shared_memory(_first_memory(written))
 
 
 @_check_step_counts_in_python.register_fake
@@ -160,7 +184,7 @@ def _(steps, groups, places) -> None:
 
 
 @_check_memory_apart_in_python.register_fake
-def _(steps, written, read, optimizer) -> None:
+def _(steps, written, read) -> None:
     return None
 
 
@@ -198,7 +222,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
     if gi == 0:
         _check_every_group(optimizer)
-        _TRACED[id(optimizer)] = optimizer
+        _TRACED.add(optimizer)
     num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
     names = optimizer._buffer_names[:num_buffers]

@@ -9,9 +9,25 @@ from torch._dynamo.testing import CompileCounter
 import cases
 from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
 from internals import triton_only_install
-from pnm_kernels import aliasing
+from pnm_kernels import aliasing, traced
 
 pytestmark = requires_extension
+
+
+def _assert_refused_untouched(step, opt, params, match, edit=None):
+    """After `edit`, the compiled step raises `match`, and no parameter or state changed."""
+    values = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    if edit is not None:
+        edit()
+    try:
+        with pytest.raises(RuntimeError, match=match):
+            step()
+    finally:
+        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
+    for p, v, state in zip(params, values, states):
+        assert torch.equal(p, v)
+        assert all(torch.equal(opt.state[p][k], value) for k, value in state.items())
 
 
 def _models(n=2):
@@ -164,17 +180,8 @@ def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step
     for p in params:
         p.grad = torch.ones_like(p)
     step()
-    values = [p.detach().clone() for p in params]
-    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     lrs[1].fill_(bad)
-    try:
-        with pytest.raises(RuntimeError, match=r"param_groups\[1\]: invalid lr"):
-            step()
-    finally:
-        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
-    for p, v, state in zip(params, values, states):
-        assert torch.equal(p, v)
-        assert all(torch.equal(opt.state[p][k], value) for k, value in state.items())
+    _assert_refused_untouched(step, opt, params, r"param_groups\[1\]: invalid lr")
     lrs[1].fill_(1e-3)
     step()  # the same graph, stepping again
     assert [int(opt.state[p]["step"]) for p in params] == [2, 2]
@@ -264,17 +271,30 @@ def test_memory_shared_after_tracing_is_refused_by_the_compiled_step_as_in_eager
         for p in params:
             p.grad = torch.ones_like(p)
         step()
-    values = [p.detach().clone() for p in params]
-    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
-    edit(opt, *params)
-    try:
-        with pytest.raises(RuntimeError, match=match):
-            step()
-    finally:
-        torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
-    for p, v, state in zip(params, values, states):
-        assert torch.equal(p, v)
-        assert all(torch.equal(opt.state[p][k], value) for k, value in state.items())
+    _assert_refused_untouched(step, opt, params, match, edit=lambda: edit(opt, *params))
+
+
+def test_interleaved_parameters_are_checked_element_by_element_once_not_at_every_step(
+        monkeypatch):
+    """Column blocks of one matrix: their extents meet, their elements do not. The graph's
+    screen sends such a layout to the element-wise check once, and remembers it passed."""
+    torch._dynamo.reset()
+    calls = []
+    refuse = traced._refuse_shared_memory
+    monkeypatch.setattr(traced, "_refuse_shared_memory",
+                        lambda counter: calls.append(counter) or refuse(counter))
+    base = torch.rand(6, 8)
+    params = [torch.nn.Parameter(base[:, i::4]) for i in range(4)]  # interleaved columns
+    opt = OPTIMIZERS["PNM"](params, lr=1e-2, backend="fused")
+    # Inductor: aot_eager hands the op fresh copies of the counters each step (a layout
+    # never seen before, checked in Python every time: slower, not wrong).
+    step = torch.compile(opt.step, backend="inductor")
+    for _ in range(4):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        step()
+    assert len(calls) == 1
+    assert all(int(opt.state[p]["step"]) == 4 for p in params)
 
 
 def test_the_screen_of_the_compiled_step_misses_no_memory_the_exact_check_finds_shared(
@@ -320,11 +340,18 @@ def test_the_compiled_steps_checks_without_the_compiled_extension(edit, monkeypa
     torch._dynamo.reset()
     params = [torch.rand(4, 3).requires_grad_() for _ in range(2)]
     opt = OPTIMIZERS["AdaPNM"](params, lr=torch.tensor(1e-2), backend="foreach")
-    step = torch.compile(opt.step, backend="aot_eager")
+    graphs = []
+
+    def recorded(gm, inputs):  # aot_eager, the graphs' code kept
+        graphs.append(gm.code)
+        return torch._dynamo.lookup_backend("aot_eager")(gm, inputs)
+    step = torch.compile(opt.step, backend=recorded)
     for _ in range(2):
         for p in params:
             p.grad = torch.ones_like(p)
         step()
+    assert "check_memory_apart_in_python" in graphs[-1]
+    assert "check_step_counts_in_python" in graphs[-1]
     values = [p.detach().clone() for p in params]
     if edit == "counter":
         opt.state[params[1]]["step"].fill_(-1)
@@ -370,7 +397,7 @@ def test_the_checks_inside_the_compiled_step_pass_opcheck(op):
     params = [torch.randn(4, requires_grad=True) for _ in range(2)]
     grads = [torch.randn(4) for _ in params]
     args = ((counters, [0, 1], [0, 0]) if "counts" in op
-            else (counters, params, grads, 0))  # apart: the optimizer is never looked up
+            else (counters, params, grads))  # apart: nothing is looked up
     torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, args)
 
 
