@@ -138,10 +138,13 @@ inline bool dense_like(const at::Tensor& t, const at::Tensor& p) {
 // correction of 0; at 2.5 the kernels would use 3.5 where the reference uses 3). It can be
 // filled in place between steps, so held lists read it at every step. One on a device is not
 // read: that would synchronise.
+inline bool is_whole_count(double v) {
+  return std::isfinite(v) && v >= 0.0 && v == std::floor(v);
+}
+
 inline bool counts_whole_steps(const at::Tensor& step) {
   if (!step.device().is_cpu()) return true;
-  const double v = *static_cast<const double*>(step.const_data_ptr());
-  return std::isfinite(v) && v >= 0.0 && v == std::floor(v);
+  return is_whole_count(*static_cast<const double*>(step.const_data_ptr()));
 }
 
 // The optimizer's per-step gradient check for a batch, without a Python loop: the index of

@@ -3,12 +3,12 @@
 
 #include <pybind11/pybind11.h>
 
-#include <cmath>
 #include <cstdint>
 #include <mutex>
 #include <unordered_set>
 #include <vector>
 
+#include "step_call.h"
 #include "written_memory.h"
 
 namespace pnm {
@@ -57,13 +57,6 @@ uint64_t layout_hash(const std::vector<at::Tensor>& claimed) {
   return h;
 }
 
-// Whether one of `read` meets the extent of one of `claimed`, whose extents meet each other.
-bool extents_meet_read(const std::vector<at::Tensor>& claimed, at::TensorList read) {
-  WrittenMemory memory;  // merges the spans that meet
-  memory.add(claimed);
-  return memory.grads_met(read.vec());
-}
-
 constexpr size_t kClearedLayouts = 64;
 std::mutex cleared_mutex;
 std::unordered_set<uint64_t> cleared_layouts;
@@ -79,7 +72,7 @@ void check_step_counts(at::TensorList steps, at::IntArrayRef groups, at::IntArra
     const double v = step.scalar_type() == at::kDouble
                          ? *static_cast<const double*>(step.const_data_ptr())
                          : step.item<double>();
-    if (!(std::isfinite(v) && v >= 0.0 && v == std::floor(v))) {
+    if (!is_whole_count(v)) {
       call_traced("_refuse_step_count", groups[i], places[i], v);
     }
   }
@@ -89,28 +82,21 @@ void check_memory_apart(at::TensorList steps, at::TensorList written, at::Tensor
   std::vector<at::Tensor> claimed = steps.vec();
   claimed.insert(claimed.end(), written.begin(), written.end());
   const ExtentsMeet meet = where_extents_meet(claimed, read);
-  if (meet == ExtentsMeet::kNowhere) return;
-  if (meet == ExtentsMeet::kReadInWritten) {  // gradients are new every step: not remembered
+  if (meet.read_in_written) {  // gradients are new every step: not remembered
     call_traced("_refuse_shared_memory", optimizer_of(written));
-    return;
-  }
-  // Extents of what the step writes meet where elements may not (strided views that
-  // interleave): a layout the element-wise check passed is not sent to Python again at every
-  // step. (A gradient meeting them is screened alone then.)
-  const uint64_t layout = layout_hash(claimed);
-  bool cleared = false;
-  {
-    std::lock_guard<std::mutex> lock(cleared_mutex);
-    cleared = cleared_layouts.count(layout) > 0;
-  }
-  if (!cleared) {
+  } else if (meet.among_written) {
+    // Extents of what the step writes meet where elements may not (strided views that
+    // interleave): a layout the element-wise check passed is not sent to Python again at
+    // every step.
+    const uint64_t layout = layout_hash(claimed);
+    {
+      std::lock_guard<std::mutex> lock(cleared_mutex);
+      if (cleared_layouts.count(layout)) return;
+    }
     call_traced("_refuse_shared_memory", optimizer_of(written));  // raises, or passes:
     std::lock_guard<std::mutex> lock(cleared_mutex);
     if (cleared_layouts.size() >= kClearedLayouts) cleared_layouts.clear();
     cleared_layouts.insert(layout);
-  }
-  if (!read.empty() && extents_meet_read(claimed, read)) {
-    call_traced("_refuse_shared_memory", optimizer_of(written));
   }
 }
 

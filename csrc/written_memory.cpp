@@ -55,10 +55,12 @@ inline bool is_small(uintptr_t begin, uintptr_t end) {
 }  // namespace
 
 bool extents_meet(at::TensorList written, at::TensorList read) {
-  return where_extents_meet(written, read) != ExtentsMeet::kNowhere;
+  const ExtentsMeet meet = where_extents_meet(written, read);
+  return meet.among_written || meet.read_in_written;
 }
 
 ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read) {
+  ExtentsMeet meet;
   std::vector<std::pair<uintptr_t, uintptr_t>> spans;
   spans.reserve(written.size());
   uintptr_t begin = 0, end = 0;
@@ -66,12 +68,12 @@ ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read) {
     if (span_of(t, begin, end)) spans.emplace_back(begin, end);
   }
   std::sort(spans.begin(), spans.end());
-  // Merged as they are swept: the ends of the kept spans are sorted too.
+  // Merged as they are swept (touching or shared): the ends of the kept spans are sorted too.
   size_t kept = 0;
   for (const auto& s : spans) {
-    if (kept > 0 && s.first < spans[kept - 1].second) return ExtentsMeet::kAmongWritten;
-    if (kept > 0 && s.first == spans[kept - 1].second) {
-      spans[kept - 1].second = s.second;  // touching, not shared
+    if (kept > 0 && s.first <= spans[kept - 1].second) {
+      meet.among_written |= s.first < spans[kept - 1].second;
+      spans[kept - 1].second = std::max(spans[kept - 1].second, s.second);
     } else {
       spans[kept++] = s;
     }
@@ -82,9 +84,12 @@ ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read) {
     const auto it = std::upper_bound(
         spans.begin(), spans.end(), begin,
         [](uintptr_t b, const std::pair<uintptr_t, uintptr_t>& s) { return b < s.second; });
-    if (it != spans.end() && it->first < end) return ExtentsMeet::kReadInWritten;
+    if (it != spans.end() && it->first < end) {
+      meet.read_in_written = true;
+      break;
+    }
   }
-  return ExtentsMeet::kNowhere;
+  return meet;
 }
 
 void WrittenMemory::add_tensor(const at::Tensor& t) {

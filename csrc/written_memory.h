@@ -26,7 +26,10 @@ struct HeldParams : torch::CustomClassHolder {
 // the compiled step's check of the memory it was given (traced.py), where nothing is held
 // between steps. Extents, not elements: a hit is then checked element by element.
 bool extents_meet(at::TensorList written, at::TensorList read);
-enum class ExtentsMeet { kNowhere, kAmongWritten, kReadInWritten };
+struct ExtentsMeet {
+  bool among_written = false;  // two of `written`
+  bool read_in_written = false;  // one of `read` and one of `written`
+};
 ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read);
 
 class WrittenMemory : public torch::CustomClassHolder {

@@ -172,12 +172,9 @@ def extents_meet(written, read) -> bool:
     spans = sorted(filter(None, map(_extent_of, written)))
     if any(later[0] < earlier[1] for earlier, later in zip(spans, spans[1:])):
         return True
-    starts = [start for start, _ in spans]
-    for span in filter(None, map(_extent_of, read)):
-        k = bisect.bisect_left(starts, span[1])  # the spans starting before its end
-        if k and spans[k - 1][1] > span[0]:
-            return True
-    return False
+    memory = WrittenSpans()
+    memory.add(written)
+    return memory.grads_met(read)
 
 
 def _extent_of(t):

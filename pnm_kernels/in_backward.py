@@ -151,11 +151,18 @@ class StepInBackward:
         every parameter that ever had one (freed here, but for those stepped since the last
         step()), and the ordinary step steps those the loss no longer reaches."""
         if self._zero_filled and not self._probing:
-            for p in self.still_stepped(p for key, p in self._ever.items()
-                                        if p.grad is None and key not in self._since_step
-                                        and key not in self._reduced_here):
+            for p in self._zero_filled_missing():
                 p.grad = torch.zeros_like(p)
         self._ever, self._since_step = {}, set()
+
+    def _zero_filled_missing(self) -> list:
+        """The parameters that, under zero_grad(set_to_none=False), would hold a zero
+        gradient the ordinary step steps, but hold none: they had one once and were freed
+        here, not since the last step(), and are still the optimizer's (not DDP's, whose
+        gradients stay)."""
+        return self.still_stepped(p for key, p in self._ever.items()
+                                  if key not in self._since_step and p.grad is None
+                                  and key not in self._reduced_here)
 
     def __enter__(self) -> "StepInBackward":
         return self
@@ -291,9 +298,7 @@ class StepInBackward:
                                               "used the value before; the new one applies "
                                               "from the next backward pass"), stacklevel=3)
             if self._zero_filled:  # what the ordinary step would step with a zero gradient
-                missing = self.still_stepped(p for key, p in self._ever.items()
-                                              if key not in self._since_step and p.grad is None
-                                              and key not in self._reduced_here)
+                missing = self._zero_filled_missing()
                 for p in missing:
                     p.grad = torch.zeros_like(p)
                 self._step_and_free(missing)
