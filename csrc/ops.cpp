@@ -184,7 +184,10 @@ TORCH_LIBRARY(pnm_kernels, m) {
   m.def("_extents_meet(Tensor[] written, Tensor[] read) -> bool", &pnm::extents_meet);
   // Declared as writing the counters, so that the compiler orders every step after them.
   m.def("check_step_counts(Tensor(a!)[] steps, int[] groups, int[] places) -> ()");
-  m.def("check_memory_apart(Tensor(a!)[] steps, Tensor[] written, Tensor[] read) -> ()");
+  m.def(
+      "check_traced_tensors(Tensor(a!)[] steps, Tensor[] written, Tensor[] read, int[] layouts) "
+      "-> ()");
+  m.def("_dtype_code(ScalarType dtype) -> int", &pnm::dtype_code);
   m.def("_launch_plan(int[] numels, int element_size, int max_single_launch_blocks=0) -> int[]",
         &pnm::launch_plan);
   m.def("_set_cpu_isa(str isa) -> str", &pnm::set_cpu_isa);
@@ -231,7 +234,7 @@ TORCH_LIBRARY(pnm_kernels, m) {
 // Host code over pointers and CPU counters: one kernel for any device's tensors.
 TORCH_LIBRARY_IMPL(pnm_kernels, CompositeExplicitAutograd, m) {
   m.impl("check_step_counts", &pnm::check_step_counts);
-  m.impl("check_memory_apart", &pnm::check_memory_apart);
+  m.impl("check_traced_tensors", &pnm::check_traced_tensors);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
@@ -262,7 +265,7 @@ TORCH_LIBRARY_IMPL(pnm_kernels, Autograd, m) {
                            "emulated_cuda_adapnm_state_step_", "pnm_int8_step_",
                            "adapnm_int8_step_", "emulated_cuda_pnm_int8_step_",
                            "emulated_cuda_adapnm_int8_step_", "check_step_counts",
-                           "check_memory_apart"}) {
+                           "check_traced_tensors"}) {
     m.impl(name, torch::CppFunction::makeFallthrough());
   }
 }

@@ -27,8 +27,15 @@ if _EXTENSION_ERROR is None:
                   "emulated_cuda_pnm_state_step_", "emulated_cuda_adapnm_state_step_",
                   "pnm_int8_step_", "adapnm_int8_step_", "emulated_cuda_pnm_int8_step_",
                   "emulated_cuda_adapnm_int8_step_", "check_step_counts",
-                  "check_memory_apart"):
+                  "check_traced_tensors"):
         torch.library.register_fake(f"pnm_kernels::{_name}")(_fake_step)
+
+# Every dtype's code as the compiled step's check of layouts (traced.py) carries it: c10's
+# numbering where the C++ check reads it, else the Python check's own.
+_DTYPES = sorted({v for v in vars(torch).values() if isinstance(v, torch.dtype)}, key=str)
+DTYPE_CODES: dict = {
+    dtype: (torch.ops.pnm_kernels._dtype_code(dtype) if _EXTENSION_ERROR is None else code)
+    for code, dtype in enumerate(_DTYPES)}
 
 
 def cuda_chunk_size(dtype: torch.dtype) -> int:

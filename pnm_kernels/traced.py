@@ -9,7 +9,7 @@ import weakref
 
 import torch
 
-from ._ops import extension_error
+from ._ops import DTYPE_CODES, extension_error
 from .aliasing import LR, MemoryClaims, extents_meet
 from .backends import BACKENDS, traceable
 from .backends.base import Scaling, is_whole_count
@@ -44,7 +44,7 @@ def step(optimizer, scaling: Scaling) -> None:
         _check_step_counts(*counters)
     steps, written, read = _memory_of(optimizer, groups)
     if steps:  # a group steps
-        _check_memory_apart(steps, written, read)
+        _check_traced_tensors(steps, written, read, _layouts(steps + written + read))
     for group, lists, scales, batches in groups:
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
@@ -77,7 +77,7 @@ def step(optimizer, scaling: Scaling) -> None:
 
 
 def _memory_of(optimizer, groups) -> tuple[list, list, list]:
-    """What _check_memory_apart takes: the step counters, the other tensors the step writes
+    """What _check_traced_tensors takes: the step counters, the other tensors the step writes
     or reads as state (parameters, buffers, seeds, int8 scales), and what it only reads
     (gradients, the tensor lrs of groups that step); a shard's local tensor."""
     steps, written, read = [], [], []
@@ -107,18 +107,49 @@ def _check_step_counts(steps: list, groups: list, places: list) -> None:
         _check_step_counts_in_python(steps, groups, places)
 
 
-def _check_memory_apart(steps: list, written: list, read: list) -> None:
-    """The eager step's check that no two tensors it writes share memory, nor a gradient or
-    tensor lr one of them (docs/design.md §5), run inside the traced step: dynamo guards
-    the gradients', lrs' and state tensors' layouts, not their memory, so `p.grad = q.data`
-    or a state tensor made a view of another's after tracing would step aliased memory. A
-    screen of the extents at every step (a pointer a tensor, in C++ where the extension is
-    built); on a hit, _refuse_shared_memory. Declared as writing the counters for its place
-    in the graph (see _check_step_counts)."""
+def _layouts(tensors: list) -> list[int]:
+    """Each tensor's layout as traced, as _check_traced_tensors compares it (the format:
+    csrc/traced_checks.h): constants of the graph."""
+    out: list[int] = []
+    for t in tensors:
+        sizes, strides = tuple(t.shape), tuple(t.stride())
+        out += _layout_entry(t, all(isinstance(v, int) for v in sizes + strides))
+    return out
+
+
+def _layout_entry(t, with_shape: bool) -> list:
+    """`t`'s entry in a list of layouts: a head (dtype, device, dims, contiguous), its sizes,
+    and its strides where it is not contiguous; without its shape, the head alone."""
+    dims = t.dim() if with_shape else -1
+    contiguous = with_shape and t.is_contiguous()
+    device = -1 if t.device.type == "cpu" else t.device.index
+    head = (DTYPE_CODES.get(t.dtype, _NOT_COMPARED) + ((device + 1) << 8) + ((dims + 1) << 16)
+            + (contiguous << 24))
+    if not with_shape:
+        return [head]
+    return [head, *t.shape] if contiguous else [head, *t.shape, *t.stride()]
+
+
+_NOT_COMPARED = 255  # a dtype's code
+
+
+def _check_traced_tensors(steps: list, written: list, read: list, layouts: list) -> None:
+    """Two checks of the eager step run inside the traced step, for what dynamo does not
+    guard:
+    - that each tensor is laid out as when the step was traced (`layouts`): a parameter's
+      dtype, device, sizes or strides changed through .data (module.to(dtype) changes them
+      so) would be stepped by code traced for the old ones (inductor's kernels read the new
+      memory as the old dtype). Refused by _refuse_changed_tensor.
+    - that no two tensors it writes share memory, nor a gradient or tensor lr one of them
+      (docs/design.md §5): `p.grad = q.data` or a state tensor made a view of another's after
+      tracing would step aliased memory. A screen of the extents; on a hit,
+      _refuse_shared_memory.
+    In C++ where the extension is built (a few numbers a tensor at every step). Declared as
+    writing the counters for its place in the graph (see _check_step_counts)."""
     if extension_error() is None:
-        torch.ops.pnm_kernels.check_memory_apart(steps, written, read)
+        torch.ops.pnm_kernels.check_traced_tensors(steps, written, read, layouts)
     else:
-        _check_memory_apart_in_python(steps, written, read)
+        _check_traced_tensors_in_python(steps, written, read, layouts)
 
 
 def _refuse_step_count(group: int, place: int, value: float) -> None:
@@ -150,6 +181,48 @@ def _traced_optimizer(where: int):
     raise RuntimeError("pnm_kernels: the compiled step's optimizer is not found")
 
 
+def _refuse_changed_tensor(optimizer_at: int, where: int, numel: int, dtype: int, device: int,
+                           sizes, strides) -> None:
+    """Raises naming the tensor of the step at `where` (of `numel` elements), traced with the
+    dtype of code `dtype` on `device` (see _layouts), of `sizes` and `strides` (or None)."""
+    dtypes = {code: d for d, code in DTYPE_CODES.items()}
+    traced = _layout_text(dtypes.get(dtype, "another dtype"), device, sizes, strides)
+    name, now = "a tensor of the step", None
+    for tensor, owner in _tensors_named(_traced_optimizer(optimizer_at)):
+        t = local(tensor)
+        if where and t.numel() == numel and t.data_ptr() == where:
+            name = owner
+            now = _layout_text(t.dtype, -1 if t.device.type == "cpu" else t.device.index,
+                               tuple(t.shape), t.stride())
+            break
+    raise RuntimeError(
+        f"pnm_kernels: {name} is {'not laid out' if now is None else now}, where the compiled "
+        f"step was traced with {traced}: changed through .data (module.to() changes a "
+        "parameter so), which torch.compile does not see. Nothing was stepped; compile the "
+        "step again (torch.compiler.reset()) to step it so")
+
+
+def _layout_text(dtype, device: int, sizes, strides) -> str:
+    where = "the CPU" if device < 0 else f"cuda:{device}"
+    shape = "" if sizes is None else f" of shape {tuple(sizes)}, strides {tuple(strides)},"
+    return f"{dtype}{shape} on {where}"
+
+
+def _tensors_named(optimizer):
+    """Every tensor a step of `optimizer` may take, with its name."""
+    for gi, group in enumerate(optimizer.param_groups):
+        if isinstance(group["lr"], torch.Tensor):
+            yield group["lr"], f"param_groups[{gi}]['lr']"
+        for pi, p in enumerate(group["params"]):
+            name = f"param_groups[{gi}]['params'][{pi}]"
+            yield p, name
+            if p.grad is not None:
+                yield p.grad, f"{name}'s gradient"
+            for key, value in optimizer.state.get(p, {}).items():
+                if isinstance(value, torch.Tensor):
+                    yield value, f"{name}'s state {key!r}"
+
+
 def _refuse_shared_memory(where: int) -> None:
     """The eager step's check of every group, which raises naming both tensors that share
     memory (or passes: strided views whose elements interleave, extents meeting)."""
@@ -170,10 +243,28 @@ def _check_step_counts_in_python(steps: list[torch.Tensor], groups: list[int],
             _refuse_step_count(group, place, float(step))
 
 
-@torch.library.custom_op("pnm_kernels::check_memory_apart_in_python", mutates_args=("steps",))
-def _check_memory_apart_in_python(steps: list[torch.Tensor], written: list[torch.Tensor],
-                                  read: list[torch.Tensor]) -> None:
-    """csrc/traced_checks.h's check_memory_apart, for an install without the extension."""
+@torch.library.custom_op("pnm_kernels::check_traced_tensors_in_python", mutates_args=("steps",))
+def _check_traced_tensors_in_python(steps: list[torch.Tensor], written: list[torch.Tensor],
+                                    read: list[torch.Tensor], layouts: list[int]) -> None:
+    """csrc/traced_checks.h's check_traced_tensors, for an install without the extension."""
+    at = 0
+    for t in steps + written + read:
+        head = layouts[at]
+        dtype, device, dims = head & 255, ((head >> 8) & 255) - 1, ((head >> 16) & 255) - 1
+        contiguous = bool(head >> 24 & 1)
+        entry = layouts[at:at + 1 + max(dims, 0) * (1 if contiguous else 2)]
+        now = _layout_entry(t, dims >= 0)
+        if dtype == _NOT_COMPARED:
+            now[0] = (now[0] & ~255) + _NOT_COMPARED
+        if now != entry:
+            where = t.data_ptr() if t.numel() else 0
+            sizes = entry[1:1 + dims] if dims >= 0 else None
+            strides = entry[1 + dims:] if dims >= 0 and not contiguous else None
+            if sizes is not None and strides is None:
+                strides = torch.empty(sizes, device="meta").stride()
+            _refuse_changed_tensor(_first_memory(written), where, t.numel(), dtype, device,
+                                   sizes, strides)
+        at += len(entry)
     if extents_meet(steps + written, read):
         _refuse_shared_memory(_first_memory(written))
 
@@ -183,8 +274,8 @@ def _(steps, groups, places) -> None:
     return None
 
 
-@_check_memory_apart_in_python.register_fake
-def _(steps, written, read) -> None:
+@_check_traced_tensors_in_python.register_fake
+def _(steps, written, read, layouts) -> None:
     return None
 
 

@@ -14,14 +14,14 @@ from pnm_kernels import aliasing, traced
 pytestmark = requires_extension
 
 
-def _assert_refused_untouched(step, opt, params, match, edit=None):
+def _assert_refused_untouched(step, opt, params, match, edit=None, error=RuntimeError):
     """After `edit`, the compiled step raises `match`, and no parameter or state changed."""
     values = [p.detach().clone() for p in params]
     states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
     if edit is not None:
         edit()
     try:
-        with pytest.raises(RuntimeError, match=match):
+        with pytest.raises(error, match=match):
             step()
     finally:
         torch.set_grad_enabled(True)  # see test_a_compiled_step_refuses_a_bad_gradient_naming_it
@@ -260,7 +260,7 @@ def test_memory_shared_after_tracing_is_refused_by_the_compiled_step_as_in_eager
                                                                                  match):
     """Dynamo guards the layout of gradients, lrs and state tensors, not their memory: the
     graph checks, at every step, that nothing it writes shares memory with anything else it
-    reads or writes (traced._check_memory_apart), and refuses as the eager step refuses,
+    reads or writes (traced._check_traced_tensors), and refuses as the eager step refuses,
     naming both, before anything is written; the same graph steps again once mended."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
@@ -272,6 +272,69 @@ def test_memory_shared_after_tracing_is_refused_by_the_compiled_step_as_in_eager
             p.grad = torch.ones_like(p)
         step()
     _assert_refused_untouched(step, opt, params, match, edit=lambda: edit(opt, *params))
+
+
+def _to_bfloat16(opt, p):  # as module.to(torch.bfloat16) changes a parameter
+    p.data = p.data.to(torch.bfloat16)
+
+
+def _transposed_in_memory(opt, p):
+    p.data = p.data.t().contiguous().t()
+
+
+def _state_to_float64(opt, p):
+    opt.state[p]["exp_avg"].data = opt.state[p]["exp_avg"].data.double()
+
+
+_TRACED_AS = r"where the compiled step was traced with torch.float32 of shape \(4, 3\), strides \(3, 1\)"
+
+
+@pytest.mark.parametrize("edit, match", [
+    (_to_bfloat16, rf"param_groups\[1\]\['params'\]\[0\] is torch.bfloat16 of shape \(4, 3\), "
+                   rf"strides \(3, 1\), on the CPU, {_TRACED_AS}, on the CPU: changed through .data"),
+    (_transposed_in_memory, r"param_groups\[1\]\['params'\]\[0\] is torch.float32 of shape "
+                            rf"\(4, 3\), strides \(1, 4\), on the CPU, {_TRACED_AS}"),
+    (_state_to_float64, r"param_groups\[1\]\['params'\]\[0\]'s state 'exp_avg' is "
+                        rf"torch.float64 of shape \(4, 3\), strides \(3, 1\), on the CPU, {_TRACED_AS}")],
+    ids=["dtype", "strides", "state-dtype"])
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_tensor_changed_through_data_after_tracing_is_refused_before_any_group_steps(
+        compiler, backend, edit, match):
+    """Dynamo does not guard a parameter's (or state tensor's) dtype or strides changed
+    through .data, as module.to(torch.bfloat16) changes them: the graph compares
+    every tensor with its layout as traced (traced._check_traced_tensors) and refuses,
+    naming it, before any group steps (inductor's kernels would read the new memory as the
+    old dtype; the fused op would refuse in the second group, the first stepped). Compiled
+    again, the step gives what the eager step gives after the same edit. (Inductor's code
+    checks its inputs' strides itself, before our check: its message is its own.)"""
+    error = RuntimeError
+    if compiler == "inductor" and edit is _transposed_in_memory:
+        error, match = AssertionError, r"expected size 4==4, stride 1==3 at dim=0"
+    runs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.rand(4, 3, generator=gen).requires_grad_() for _ in range(2)]
+        opt = OPTIMIZERS["AdaPNM"]([dict(params=params[:1]), dict(params=params[1:], lr=3e-3)],
+                                   lr=1e-2, backend=backend)
+        step = torch.compile(opt.step, backend=compiler) if compiled else opt.step
+        for t in range(4):
+            if t == 2:
+                edit(opt, params[1])
+                if compiled:
+                    for p in params:
+                        p.grad = torch.ones_like(p)
+                    _assert_refused_untouched(step, opt, params, match, error=error)
+                    torch.compiler.reset()
+                    step = torch.compile(opt.step, backend=compiler)
+            for p in params:
+                p.grad = torch.full_like(p, 0.5 + t)
+            step()
+        runs.append((opt, params))
+    (opt, params), (eager, eager_params) = runs
+    assert [int(opt.state[p]["step"]) for p in params] == [4, 4]
+    assert_states_close(opt, params, eager, eager_params)
 
 
 def test_interleaved_parameters_are_checked_element_by_element_once_not_at_every_step(
@@ -331,11 +394,12 @@ def test_the_screen_of_the_compiled_step_misses_no_memory_the_exact_check_finds_
                 assert screens[:2] == [False, False]  # disjoint (or touching) extents
 
 
-@pytest.mark.parametrize("edit", ["counter", "gradient"])
+@pytest.mark.parametrize("edit", ["counter", "gradient", "dtype"])
 def test_the_compiled_steps_checks_without_the_compiled_extension(edit, monkeypatch):
     """On a Triton-only install the traced step runs foreach ops, and the checks of the
-    counters and of the memory are Python ops: a counter filled in place and a gradient put
-    into a state buffer are refused as with the extension, before anything is written."""
+    counters, layouts and memory are Python ops: a counter filled in place, a gradient put
+    into a state buffer and a parameter given bfloat16 data are refused as with the
+    extension, before anything is written."""
     triton_only_install(monkeypatch)
     torch._dynamo.reset()
     params = [torch.rand(4, 3).requires_grad_() for _ in range(2)]
@@ -350,12 +414,17 @@ def test_the_compiled_steps_checks_without_the_compiled_extension(edit, monkeypa
         for p in params:
             p.grad = torch.ones_like(p)
         step()
-    assert "check_memory_apart_in_python" in graphs[-1]
+    assert "check_traced_tensors_in_python" in graphs[-1]
     assert "check_step_counts_in_python" in graphs[-1]
     values = [p.detach().clone() for p in params]
     if edit == "counter":
         opt.state[params[1]]["step"].fill_(-1)
         match = rf"{_SECOND}: its state 'step' is -1.0, not a whole number"
+    elif edit == "dtype":
+        params[1].data = params[1].data.bfloat16()
+        params[1].grad = torch.ones_like(params[1])
+        values[1] = params[1].detach().clone()
+        match = rf"{_SECOND} is torch.bfloat16 of shape \(4, 3\), strides \(3, 1\), on the CPU, where"
     else:
         params[0].grad = opt.state[params[0]]["exp_avg"]
         match = rf"{_FIRST}.*: its state 'exp_avg' is the very tensor of its gradient"
@@ -387,8 +456,8 @@ def test_a_group_that_does_not_step_reads_no_lr_so_its_lr_may_lie_anywhere():
     assert not torch.equal(runs[1][0], torch.ones(4))
 
 
-@pytest.mark.parametrize("op", ["check_step_counts", "check_memory_apart",
-                                "check_step_counts_in_python", "check_memory_apart_in_python"])
+@pytest.mark.parametrize("op", ["check_step_counts", "check_traced_tensors",
+                                "check_step_counts_in_python", "check_traced_tensors_in_python"])
 def test_the_checks_inside_the_compiled_step_pass_opcheck(op):
     """Their schemas (declared as writing the counters: see traced._check_step_counts) and
     fake kernels are what torch.compile needs; in C++ and, for an install without the
@@ -396,8 +465,8 @@ def test_the_checks_inside_the_compiled_step_pass_opcheck(op):
     counters = [torch.tensor(3.0, dtype=torch.float64), torch.tensor(0.0, dtype=torch.float64)]
     params = [torch.randn(4, requires_grad=True) for _ in range(2)]
     grads = [torch.randn(4) for _ in params]
-    args = ((counters, [0, 1], [0, 0]) if "counts" in op
-            else (counters, params, grads))  # apart: nothing is looked up
+    args = ((counters, [0, 1], [0, 0]) if "counts" in op  # as traced and apart: nothing
+            else (counters, params, grads, traced._layouts(counters + params + grads)))
     torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, args)
 
 
