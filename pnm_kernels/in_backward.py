@@ -20,7 +20,8 @@ import weakref
 
 import torch
 
-from .in_backward_ddp import ReducedBuckets, ReducedSteps, backward_pass, managed_by
+from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, managed_by,
+                              refuse_ddp)
 from .fingerprints import fingerprint, same
 from .hyper import signature
 from .params import is_param_list, local
@@ -70,6 +71,17 @@ class StepInBackward:
         self._zero_filled = False
         self._ever: dict = {}
         self._since_step: set = set()
+        # What the ordinary loop would hold that the buckets freed: a step() since the last
+        # zero_grad() (a backward pass now would add to its gradients), gradients freed since
+        # it (a step() now would step them again). Whether the loop calls zero_grad() between
+        # step() and the next backward is learnt at the first pass after the probe: the
+        # probe's step freed no gradient (weak references to them here), and one summed into
+        # is a loop that does not zero; None: not learnt yet.
+        self._stepped_since_zeroing = False
+        self._freed_since_zeroing = False
+        self._pass_stepped = False  # a bucket stepped inside backward since the last step()
+        self._loop_zeroes: bool | None = None
+        self._probe_grads: dict = {}
         self._hooks: list = []
         self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
         self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
@@ -184,7 +196,11 @@ class StepInBackward:
 
     def _ready(self, p: torch.Tensor) -> None:
         grad = p.grad
-        if self._accumulating or grad is None:
+        if grad is None:
+            return
+        if self._stepped_since_zeroing and not self._probing:
+            self._check_zeroed(p, grad)
+        if self._accumulating:
             return
         if self._probing:
             self._record(p)
@@ -205,13 +221,42 @@ class StepInBackward:
         if self._pending_bytes >= self._bucket_bytes:
             self._step_pending()
 
+    def _check_zeroed(self, p, grad) -> None:
+        """A backward pass after step() with no optimizer.zero_grad() since, its first
+        gradient `grad` (p's): the ordinary loop would add it to the gradients of the pass
+        that stepped (or drop it at zero_grad()), which are gone. Refused before this pass
+        steps where the loop is seen not to do so: one that zeroes between step() and the
+        next pass, or one that summed into the gradients the probe's step left."""
+        if self._loop_zeroes is None:
+            kept = self._probe_grads.get(id(p))
+            self._probe_grads = {}
+            if kept is not None and kept() is grad:
+                raise RuntimeError(_UNZEROED.format(
+                    "this backward pass added its gradients to those of the step before, as "
+                    "no zero_grad() came between"))
+            self._loop_zeroes = False  # zeroed another way (model.zero_grad()): not seen
+        elif self._loop_zeroes:
+            raise RuntimeError(_UNZEROED.format(
+                "a backward pass came after step() before zero_grad(), which this loop "
+                "calls between them otherwise"))
+        self._stepped_since_zeroing = False
+
+    def check_reduced_pass(self) -> None:
+        """_check_zeroed for a bucket DDP reduced, before it steps: where the loop is seen to
+        zero between step() and the next pass. (DDP keeps its gradients: a loop that does
+        not zero sums into them, and the bucket steps the sum, as the ordinary step would.)"""
+        if self._stepped_since_zeroing and self._loop_zeroes:
+            raise RuntimeError(_UNZEROED.format(
+                "a backward pass came after step() before zero_grad(), which this loop "
+                "calls between them otherwise"))
+
     def _flush(self) -> None:
         self._flush_queued = False
         self._step_pending()
 
     def _step_pending(self) -> None:
         params, self._pending, self._pending_bytes = self._pending, [], 0
-        self._step_and_free(params)
+        self._pass_stepped |= bool(self._step_and_free(params))
 
     def _step_and_free(self, params, free: bool = True) -> list:
         """Steps those of params still the optimizer's and frees their gradients (with free);
@@ -223,6 +268,7 @@ class StepInBackward:
         for p in params:
             if free:
                 p.grad = None
+                self._freed_since_zeroing = True
             self._ever[id(p)] = p
             self._since_step.add(id(p))
         return params
@@ -260,14 +306,31 @@ class StepInBackward:
     def step_bucket(self, params) -> list:
         """A bucket DDP has reduced: steps those of params still the optimizer's, their
         gradients kept (DDP holds them); returns them."""
-        return self._step_and_free(params, free=False)
+        stepped = self._step_and_free(params, free=False)
+        self._pass_stepped |= bool(stepped)
+        return stepped
 
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
         failed = self._flush_queued  # a pass whose end never came: it raised (an OOM, say)
+        if self._pass_stepped and not failed and not self._probing:
+            # Said, not prevented: nothing showed that this pass would not step.
+            raise RuntimeError(
+                "step_in_backward: zero_grad() after a backward pass that no step() followed "
+                f"({_AFTER_STEP if self._stepped_since_zeroing else 'a step skipped'}): the "
+                "ordinary loop would drop that pass's gradients here, but they stepped inside "
+                "backward as they were made. Skip a batch before its backward pass, measure "
+                "with torch.autograd.grad, or use the ordinary step")
         self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
         if failed:  # its batch skipped: what stepped stays stepped, the next pass steps anew
             self._since_step = set()
+            self._pass_stepped = False
+        if self._probing:  # the gradients the probe saw are gone: it starts again
+            self._seen, self._param_bits = {}, {}
+        elif self._stepped_since_zeroing and self._loop_zeroes is None:
+            self._loop_zeroes = True
+        self._stepped_since_zeroing = self._freed_since_zeroing = False
+        self._probe_grads = {}
         self._hypers_at_backward = None
         if self.reduced_steps is not None:
             self.reduced_steps.zeroing()
@@ -291,8 +354,15 @@ class StepInBackward:
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
         self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
+        if not self._probing and not self._pass_stepped and self._freed_since_zeroing:
+            raise RuntimeError(
+                "step_in_backward: step() again with no backward pass since the last one "
+                "and no zero_grad(): the ordinary step would step the last pass's gradients "
+                "again, but they stepped inside backward and were freed. Call step() once "
+                "a backward pass, or use the ordinary step")
         changed = self._hyper_changed_since_backward()
         if not self._probing:
+            self._stepped_since_zeroing = True
             if changed is not None:  # stepped already: said, not refused mid-training
                 warnings.warn(_CHANGED.format(changed, "the buckets stepped inside backward "
                                               "used the value before; the new one applies "
@@ -305,6 +375,7 @@ class StepInBackward:
             self._since_step = set()
             if self.reduced_steps is not None:  # DDP's last bucket; what stepped kept aside
                 self.reduced_steps.before_step()
+            self._pass_stepped = False
             self._hypers_at_backward = None  # noted by the steps just above, not in backward
             return True  # steps only what still has a gradient (none, in the usual loop)
         if self.reduced_steps is not None:
@@ -339,9 +410,11 @@ class StepInBackward:
                     "backward cannot do: it steps each gradient as soon as it is made. Use "
                     "the ordinary step")
         self._probing = False
-        params = (p for group in self._optimizer.param_groups for p in group["params"])
+        params = [p for group in self._optimizer.param_groups for p in group["params"]]
         self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these
         self._since_step = set()
+        self._stepped_since_zeroing = True
+        self._probe_grads = {id(p): weakref.ref(p.grad) for p in params if p.grad is not None}
         return True
 
     def _note_hypers(self) -> None:
@@ -382,6 +455,15 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "from each nested backward pass: checkpoint with use_reentrant=False")
 
 
+_AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
+
+# A backward pass after step() whose gradients the ordinary loop would add to the last ones.
+_UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but the last "
+             "pass's gradients stepped inside backward and were freed. Call "
+             "optimizer.zero_grad() between step() and the next backward pass (a pass that "
+             "only measures something: torch.autograd.grad, which fills no .grad)")
+
+
 # A hyper-parameter set between backward and step(): the ordinary step would use it now.
 _CHANGED = ("step_in_backward: {} was changed between backward and step(): inside backward "
             "each parameter steps as soon as its gradient is made, with the hyper-parameters "
@@ -394,31 +476,4 @@ def _step_keys(optimizer) -> tuple:
     return tuple(key for key in optimizer._keys if key != "backend")
 
 
-def refuse_ddp(named_params, ddp_given: bool = False) -> None:
-    """Under several ranks a plain-tensor parameter's gradient is this rank's own until DDP
-    all-reduces it, after autograd's hooks: stepped in them, each rank would step its own
-    gradient (step_in_backward(ddp=model) steps DDP's in its communication hook instead).
-    FSDP2's (DTensor) parameters are fine: FSDP2 calls their hooks itself once it has
-    reduce-scattered their gradients. `named_params`: (where, parameter) pairs."""
-    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
-        return
-    ranks = torch.distributed.get_world_size()
-    if ranks == 1:
-        return
-    for where, p in named_params:
-        if local(p) is p and ddp_given:
-            raise RuntimeError(
-                f"step_in_backward: {where} is a plain tensor that the DDP model given does "
-                f"not reduce in its buckets (parameters_to_ignore, delay_all_reduce_named_params,"
-                f" or another model's) while torch.distributed runs {ranks} ranks: stepped in "
-                "backward, each rank would step its own gradient. Use the ordinary step")
-        if local(p) is p:
-            raise RuntimeError(
-                f"step_in_backward: {where} is a plain tensor while torch.distributed runs "
-                f"{ranks} ranks: under DDP its gradient would be stepped before DDP "
-                "all-reduces it. Pass the DDP model wrapping it (step_in_backward(ddp=model)), "
-                "whose buckets then step once reduced, or use FSDP2 (fully_shard), whose "
-                "sharded parameters step in backward")
-
-
-__all__ = ["StepInBackward", "refuse_ddp"]
+__all__ = ["StepInBackward"]

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .fingerprints import fingerprint
+from .params import local
 
 
 class ReducedBuckets:
@@ -138,6 +139,7 @@ class ReducedSteps:
             self._sums.append(reduced.then(
                 lambda _: [(p, fingerprint(g)[1]) for p, g in mine]))
             return
+        handle.check_reduced_pass()
         if self._pending:
             self._step(*self._pending)
         self._pending = (mine, reduced)
@@ -206,3 +208,30 @@ def backward_pass():
     return None if current is None else current()
 
 __all__ = ["ReducedBuckets", "ReducedSteps", "backward_pass", "managed_by"]
+
+
+def refuse_ddp(named_params, ddp_given: bool = False) -> None:
+    """Under several ranks a plain-tensor parameter's gradient is this rank's own until DDP
+    all-reduces it, after autograd's hooks: stepped in them, each rank would step its own
+    gradient (step_in_backward(ddp=model) steps DDP's in its communication hook instead).
+    FSDP2's (DTensor) parameters are fine: FSDP2 calls their hooks itself once it has
+    reduce-scattered their gradients. `named_params`: (where, parameter) pairs."""
+    if not (torch.distributed.is_available() and torch.distributed.is_initialized()):
+        return
+    ranks = torch.distributed.get_world_size()
+    if ranks == 1:
+        return
+    for where, p in named_params:
+        if local(p) is p and ddp_given:
+            raise RuntimeError(
+                f"step_in_backward: {where} is a plain tensor that the DDP model given does "
+                f"not reduce in its buckets (parameters_to_ignore, delay_all_reduce_named_params,"
+                f" or another model's) while torch.distributed runs {ranks} ranks: stepped in "
+                "backward, each rank would step its own gradient. Use the ordinary step")
+        if local(p) is p:
+            raise RuntimeError(
+                f"step_in_backward: {where} is a plain tensor while torch.distributed runs "
+                f"{ranks} ranks: under DDP its gradient would be stepped before DDP "
+                "all-reduces it. Pass the DDP model wrapping it (step_in_backward(ddp=model)), "
+                "whose buckets then step once reduced, or use FSDP2 (fully_shard), whose "
+                "sharded parameters step in backward")

@@ -246,6 +246,7 @@ def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
     _train(model, opt, _batches(2))  # the loop fixed: the probe passes, then in backward
     extra = torch.nn.Linear(16, 3)
     opt.add_param_group({"params": list(extra.parameters())})
+    opt.zero_grad()
     (model(_batches(1)[0]).sum() + extra(_batches(1)[0]).sum()).backward()
     assert all(p.grad is None for p in [*model.parameters(), *extra.parameters()])
     assert int(opt.state[extra.weight]["step"]) == 1

@@ -79,6 +79,7 @@ def test_gradients_are_freed_during_backward_and_none_is_left_after_it():
     opt = PNM(model.parameters(), lr=1e-2)
     opt.step_in_backward(bucket_mib=1e-6)
     _train(model, opt, _batches(1))  # the first step: the ordinary probe
+    opt.zero_grad()
     seen = []
     x = _batches(1)[0]
     hidden = model[0](x)

@@ -1,0 +1,86 @@
+"""optimizer.step_in_backward() (docs/design.md §9) under training loops whose order of
+zero_grad(), backward and step() differs from the usual one. Each loop is a script of events
+run by the ordinary optimizer and by one stepping inside backward: the two give the same
+parameters and state bitwise, or the step inside backward is refused at the event where the
+ordinary loop would do what it cannot (step gradients it freed again, add a pass's gradients
+to freed ones), before that event changes anything; or, where nothing showed it coming, at
+the first event that shows it (said, after the fact)."""
+import re
+
+import pytest
+import torch
+
+from conftest import OPTIMIZERS, assert_same_bits
+from test_in_backward_edits import _FailsInBackward
+
+# Events: Z optimizer.zero_grad(), m model.zero_grad(), B a backward pass, F a backward pass
+# that fails after the last layer's gradients were made (caught: the batch skipped),
+# S optimizer.step().
+_STEP_TWICE = r"step\(\) again with no backward pass since the last one and no zero_grad\(\)"
+_ADDED = r"this backward pass added its gradients to those of the step before"
+_AFTER_STEP = r"a backward pass came after step\(\) before zero_grad\(\)"
+_SKIPPED = r"zero_grad\(\) after a backward pass that no step\(\) followed \(a step skipped\)"
+
+# (script, where the step inside backward is refused (None: nowhere), what it says, whether
+# the refusal comes before the event changed anything)
+LOOPS = {
+    "zero-backward-step": ("ZBS" * 4, None, None, True),
+    "backward-step-zero": ("BSZ" * 4, None, None, True),
+    "zeroed-through-the-model": ("mBS" * 4, None, None, True),
+    "failed-pass-in-the-probe-skipped": ("ZFZ" + "ZBS" * 3, None, None, True),
+    "two-steps-in-the-probe": ("ZBSS" + "ZBS" * 2, None, None, True),
+    "two-steps-a-pass": ("ZBSS" * 3, 7, _STEP_TWICE, True),
+    "pass-after-step-in-the-probe": ("ZBSBZ" * 3, 3, _ADDED, True),
+    "pass-after-step-later": ("ZBS" * 2 + "ZBSBZ", 9, _AFTER_STEP, True),
+    "never-zeroed": ("BS" * 4, 2, _ADDED, True),
+    "step-skipped": ("ZBS" * 2 + "ZBZS", 8, _SKIPPED, False),
+}
+
+
+def _run(script, in_backward, backend, until=None):
+    """The script's events up to `until` (excluded); with in_backward, the event at `until`
+    raises (returned)."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
+    opt = OPTIMIZERS["AdaPNM"](model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)  # a bucket a parameter
+    gen = torch.Generator().manual_seed(1)
+    raised = None
+    for i, event in enumerate(script if until is None or in_backward else script[:until]):
+        try:
+            if event == "Z":
+                opt.zero_grad()
+            elif event == "m":
+                model.zero_grad()
+            elif event == "S":
+                opt.step()
+            else:
+                x = torch.randn(4, 8, generator=gen)
+                hidden = model[0](x)
+                if event == "F":
+                    hidden = _FailsInBackward.apply(hidden)
+                try:
+                    model[1:](hidden).square().mean().backward()
+                except RuntimeError as e:
+                    if event != "F" or "simulated failure" not in str(e):
+                        raise
+        except RuntimeError as e:
+            assert in_backward and i == until, (i, e)
+            raised = e
+            break
+    return model, opt, raised
+
+
+@pytest.mark.parametrize("loop", LOOPS)
+@pytest.mark.parametrize("backend", ["reference", "fused"])
+def test_a_loop_steps_as_the_ordinary_one_or_is_refused_where_it_cannot(loop, backend):
+    script, refused_at, match, before_any_change = LOOPS[loop]
+    model, opt, raised = _run(script, True, backend, until=refused_at)
+    if refused_at is None:
+        assert raised is None
+    else:
+        assert raised is not None and re.search(match, str(raised)), raised
+    if before_any_change:  # the ordinary loop's parameters and state before that event
+        ordinary, ordinary_opt, _ = _run(script, False, backend, until=refused_at)
+        assert_same_bits(ordinary_opt, list(ordinary.parameters()), opt, list(model.parameters()))
