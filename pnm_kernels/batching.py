@@ -13,7 +13,7 @@ from .aliasing import (GRADIENT, LR, PARAMETER, MemoryClaims, SharedMemoryError,
                        held_params, written_memory)
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
-                            own_state)
+                            layouts_unchanged, own_state, tensor_layouts)
 from .layout import dense_like
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
@@ -37,7 +37,7 @@ class BatchCache:
         # The state's version and the parameters (id: memory) last checked together (their
         # memory and state, plan.run): a batch built of these alone, the state unchanged,
         # cannot share memory with the batches reused beside it.
-        self._claimed: tuple = (None, {})
+        self._claimed: tuple = (None, {}, None)  # ..., and their tensors' tensor_layouts
         self._claimed_written = written_memory()  # where those noted lie (note_claimed)
         # Where every cached batch's tensors lie (grad_in_written), made again when read
         # after the entries changed.
@@ -208,7 +208,7 @@ class BatchCache:
         """Whether the parameters of the batches to build were checked together with those
         of the reused ones (note_claimed), in the memory they have now, the state unchanged
         since (the reused ones' memory is confirmed by their held lists)."""
-        version, known = self._claimed
+        version, known, _ = self._claimed
         if version != self.version(optimizer):
             return False
         state, keys = optimizer.state, frozenset(keys_read(names))
@@ -224,13 +224,28 @@ class BatchCache:
     def note_claimed(self, optimizer, params, names) -> None:
         """These parameters' memory and state were checked together, replacing the last."""
         state, keys = optimizer.state, frozenset(keys_read(names))
+        tensors = [local(t) for p in params
+                   for t in (p, *(t for key, t in (state.get(p) or {}).items() if key in keys))
+                   if isinstance(t, torch.Tensor)]
         self._claimed = (self.version(optimizer),
-                         {id(p): _memory_of(p, state, keys) for p in params})
+                         {id(p): _memory_of(p, state, keys) for p in params},
+                         tensor_layouts(tensors))
         self._claimed_written = written_memory()
-        self._claimed_written.add(
-            [local(t) for p in params
-             for t in (p, *(t for key, t in (state.get(p) or {}).items() if key in keys))
-             if isinstance(t, torch.Tensor)])
+        self._claimed_written.add(tensors)
+
+    def drop_if_moved(self, optimizer) -> None:
+        """Before a backward pass's first bucket (the step inside backward): drops every cached
+        list if a tensor they hold, or one of the parameters last checked together
+        (note_claimed) or its state, was given other data or memory since (`t.data = ...`,
+        which no version counts), so that the bucket is built and checked against the memory
+        of every parameter that may step (plan.run) before anything in the pass steps. Both
+        confirmed in C++ (held_lists_ok, layouts_unchanged), as an ordinary step confirms
+        its held lists."""
+        version = self.version(optimizer)
+        noted, _, layouts = self._claimed
+        if (any(v == version and not held_lists_ok(batch) for v, batch in self._entries.values())
+                or (noted == version and not layouts_unchanged(layouts))):
+            self.drop()  # (noted before the state changed: the next bucket is checked anyway)
 
     def check_memory(self, optimizer, claims: MemoryClaims) -> None:
         """Raises, naming both, where two tensors of `claims` share memory."""

@@ -264,7 +264,7 @@ class StepInBackward:
         params = self.still_stepped(params)
         if params:
             self._note_hypers()
-            self._optimizer._step_only(params)
+            self._optimizer._step_only(params, first_of_pass=not self._pass_stepped)
         for p in params:
             if free:
                 p.grad = None

@@ -227,10 +227,13 @@ class _PositiveNegativeMomentum(Optimizer):
         return StepInBackward(self, bucket_mib, ddp)
 
     @torch.no_grad()
-    def _step_only(self, params) -> None:
-        """An ordinary step of these parameters alone (a bucket of the step in backward)."""
+    def _step_only(self, params, first_of_pass: bool = False) -> None:
+        """An ordinary step of these parameters alone (a bucket of the step in backward; the
+        first of a backward pass checked against all others' memory where any moved)."""
         names, planner, cache = self._buffer_names, self._planner, self._batches
         self._repeat.forget()  # the repeated step stands for a whole step, not a bucket
+        if first_of_pass:
+            cache.drop_if_moved(self)
         plan = planner.plan(self, cache, names, defer=False, only={id(p) for p in params})
         planning.run(self, plan, planner, cache, names, Scaling(), bucket=True)
 

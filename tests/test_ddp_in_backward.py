@@ -52,9 +52,9 @@ def _count_buckets(opt):
     calls = []
     step_only = opt._step_only
 
-    def counted(params):
+    def counted(params, **kwargs):
         calls.append((len(params), torch._C._current_graph_task_id() != -1))
-        step_only(params)
+        step_only(params, **kwargs)
     opt._step_only = counted
     return calls
 

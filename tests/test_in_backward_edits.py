@@ -482,6 +482,49 @@ def test_state_shared_between_parameters_of_different_buckets_is_refused_nothing
     assert not all(torch.equal(p, b) for p, b in zip(params, before))
 
 
+def _parameter_given_anothers_memory(opt, params):
+    params[2].data = params[0].data[:]  # backward reaches 4 first, then 2, then 0
+
+
+def _state_given_anothers_memory(opt, params):
+    opt.state[params[0]]["exp_avg"].data = opt.state[params[4]]["exp_avg"].data
+
+
+@pytest.mark.parametrize("edit, match", [
+    # Named in the order the check met them; the weights are the group's params 0, 1, 2.
+    (_parameter_given_anothers_memory, r"params'\]\[[01]\].* shares memory with .*params'\]\[[01]\]"),
+    (_state_given_anothers_memory, r"params'\]\[[02]\].*its state 'exp_avg' shares memory with "
+                                   r".*params'\]\[[02]\].*'s state 'exp_avg'")],
+    ids=["parameter", "state"])
+@cases.parametrize(FAST_PATHS + ["reference"], optimizers=["AdaPNM"])
+def test_memory_given_through_data_between_passes_is_refused_before_any_bucket_steps(
+        path, name, edit, match):
+    """A parameter or a state buffer given another parameter's (state's) memory through
+    .data after the probe, which no version counts: the pass's first bucket, though its own
+    tensors did not move, is checked against every other parameter's memory (the held lists
+    confirmed in C++, the others located), so the pass is refused before any bucket steps."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8),
+                                torch.nn.GELU(), torch.nn.Linear(8, 8))
+    params = [model[i].weight for i in (0, 2, 4)]
+    for layer in (0, 2, 4):
+        model[layer].bias.requires_grad_(False)
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=path)
+    opt.step_in_backward(bucket_mib=1e-6)  # a bucket a parameter
+    batches = torch.randn(3, 3, 8, generator=torch.Generator().manual_seed(1))
+    _train(model, opt, batches[:2])
+    params = [params[0], None, params[1], None, params[2]]
+    edit(opt, params)
+    params = [p for p in params if p is not None]
+    before = [(p.detach().clone(), {k: v.clone() for k, v in opt.state[p].items()})
+              for p in params]
+    with pytest.raises(RuntimeError, match=match):
+        _train(model, opt, batches[2:])
+    for p, (value, state) in zip(params, before):
+        assert torch.equal(p, value)
+        assert all(torch.equal(opt.state[p][k], v) for k, v in state.items())
+
+
 def _unused_layer_given_another_shape(in_backward):
     torch.manual_seed(0)
     used, unused = torch.nn.Linear(8, 8), torch.nn.Linear(8, 8)

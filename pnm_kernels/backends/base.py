@@ -214,9 +214,14 @@ def hold_layouts(batch: Batch):
     costs ~1 ms there), or without the extension the same in Python."""
     tensors = [*batch.params, *(b for buffers in batch.buffers for b in buffers), *batch.steps,
                *batch.seeds, *(s for scales in batch.scales for s in scales if s is not None)]
+    return tensor_layouts(tensors, list(batch.steps))
+
+
+def tensor_layouts(tensors: list, counters: list = []):
+    """hold_layouts of any tensors (the counters among them read again by layouts_unchanged)."""
     if extension_error() is None:
-        return torch.classes.pnm_kernels.HeldLayouts(tensors, list(batch.steps))
-    return tensors, [_layout(t) for t in tensors], list(batch.steps)
+        return torch.classes.pnm_kernels.HeldLayouts(tensors, counters)
+    return tensors, [_layout(t) for t in tensors], counters
 
 
 def layouts_unchanged(layouts) -> bool:
