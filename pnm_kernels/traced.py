@@ -261,7 +261,7 @@ def _check_traced_tensors_in_python(steps: list[torch.Tensor], written: list[tor
             sizes = entry[1:1 + dims] if dims >= 0 else None
             strides = entry[1 + dims:] if dims >= 0 and not contiguous else None
             if sizes is not None and strides is None:
-                strides = torch.empty(sizes, device="meta").stride()
+                strides = list(torch.empty(sizes, device="meta").stride())
             _refuse_changed_tensor(_first_memory(written), where, t.numel(), dtype, device,
                                    sizes, strides)
         at += len(entry)
