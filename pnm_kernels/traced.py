@@ -44,7 +44,10 @@ def step(optimizer, scaling: Scaling) -> None:
         _check_step_counts(*counters)
     steps, written, read = _memory_of(optimizer, groups)
     if steps:  # a group steps
-        _check_traced_tensors(steps, written, read, _layouts(steps + written + read))
+        # A gradient's sizes may be symbolic (dynamo makes them dynamic once they changed);
+        # the parameters and state are static inputs.
+        _check_traced_tensors(steps, written, read,
+                              _layouts(steps + written) + _layouts(read, with_shape=False))
     for group, lists, scales, batches in groups:
         params, grads, buffer0, buffer1, buffer2, buffer3, steps, seeds = lists
         hyper = Hyper.from_group(group, optimizer._adaptive)  # validated by _init_group
@@ -107,13 +110,12 @@ def _check_step_counts(steps: list, groups: list, places: list) -> None:
         _check_step_counts_in_python(steps, groups, places)
 
 
-def _layouts(tensors: list) -> list[int]:
+def _layouts(tensors: list, with_shape: bool = True) -> list[int]:
     """Each tensor's layout as traced, as _check_traced_tensors compares it (the format:
-    csrc/traced_checks.h): constants of the graph."""
+    csrc/traced_checks.h): constants of the graph. Without shapes: dtypes and devices."""
     out: list[int] = []
     for t in tensors:
-        sizes, strides = tuple(t.shape), tuple(t.stride())
-        out += _layout_entry(t, all(isinstance(v, int) for v in sizes + strides))
+        out += _layout_entry(t, with_shape)
     return out
 
 
