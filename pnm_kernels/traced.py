@@ -167,17 +167,13 @@ _TRACED: weakref.WeakSet = weakref.WeakSet()
 
 
 def _traced_optimizer(where: int):
-    """The traced optimizer one of whose parameters (a shard's local tensor) or state tensors
-    lies at `where`; the only one alive where none is found (`where` 0: no tensor had
-    memory)."""
+    """The traced optimizer one of whose tensors (a shard's local tensor) lies at `where`;
+    the only one alive where none is found (`where` 0: no tensor had memory)."""
     optimizers = list(_TRACED)
     for optimizer in optimizers:
-        for group in optimizer.param_groups:
-            for p in group["params"]:
-                tensors = [local(p), *(local(t) for t in optimizer.state.get(p, {}).values()
-                                       if isinstance(t, torch.Tensor))]
-                if where and any(t.numel() and t.data_ptr() == where for t in tensors):
-                    return optimizer
+        if where and any(local(t).numel() and local(t).data_ptr() == where
+                         for t, _ in _tensors_named(optimizer)):
+            return optimizer
     if len(optimizers) == 1:
         return optimizers[0]
     raise RuntimeError("pnm_kernels: the compiled step's optimizer is not found")
@@ -307,10 +303,11 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     """Run untraced (see the optimizer's _init_group): validates the group, checks its
     gradients, makes missing state, and fills the lists with the parameters that have a
     gradient, their gradients, state buffers, step counters, (bfloat16 or int8 state) seeds
-    and (int8 state) each buffer's block scales or None, batch after batch. Returns each batch's (backend, number of parameters, each one's
-    dense_copies, each one's element_offset, each one's place in the group), decided here from
-    the layouts: constants, as dynamo takes them. (Dynamo guards the parameters, not the gradients;
-    the kernel refuses a gradient laid out otherwise.)"""
+    and (int8 state) each buffer's block scales or None, batch after batch. Returns each
+    batch's (backend, number of parameters, each one's dense_copies, each one's
+    element_offset, each one's place in the group), decided here from the layouts: constants,
+    as dynamo takes them. (Dynamo guards the parameters, not the gradients; the kernel
+    refuses a gradient laid out otherwise.)"""
     gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
     validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
     if gi == 0:

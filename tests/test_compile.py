@@ -1,6 +1,8 @@
 """torch.compile: the optimizer step traces without graph breaks (custom ops with fake
 kernels, no host reads), gives what eager gives, and refuses what eager refuses (bad state,
 a CPU lr filled with a bad value), naming it."""
+import re
+
 import pytest
 import torch
 import torch._dynamo
@@ -8,7 +10,7 @@ from torch._dynamo.testing import CompileCounter
 
 import cases
 from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
-from internals import triton_only_install
+from internals import extension_is_built, triton_only_install
 from pnm_kernels import aliasing, traced
 
 pytestmark = requires_extension
@@ -394,13 +396,23 @@ def test_the_screen_of_the_compiled_step_misses_no_memory_the_exact_check_finds_
                 assert screens[:2] == [False, False]  # disjoint (or touching) extents
 
 
-@pytest.mark.parametrize("edit", ["counter", "gradient", "dtype"])
-def test_the_compiled_steps_checks_without_the_compiled_extension(edit, monkeypatch):
-    """On a Triton-only install the traced step runs foreach ops, and the checks of the
-    counters, layouts and memory are Python ops: a counter filled in place, a gradient put
-    into a state buffer and a parameter given bfloat16 data are refused as with the
-    extension, before anything is written."""
-    triton_only_install(monkeypatch)
+_NOW_AND_TRACED = (r"{} is torch.{} of shape \({}\), strides \({}\), on the CPU, where the "
+                   r"compiled step was traced with torch.float32 of shape \(4, 3\), strides \(3, 1\)")
+
+
+@pytest.mark.parametrize("edit", ["counter", "gradient", "dtype", "strides", "shape"])
+@pytest.mark.parametrize("install", ["extension", "python"])
+def test_the_compiled_steps_checks_in_cpp_and_in_python_refuse_alike(install, edit, monkeypatch):
+    """The checks of the counters, layouts and memory inside the traced step are C++ ops
+    where the extension is built and Python ops on a Triton-only install (whose traced step
+    runs foreach ops); the two read one encoding of the layouts (csrc/traced_checks.h). A
+    counter filled in place, a gradient put into a state buffer, and a parameter given
+    bfloat16 data, other strides or another shape through .data are refused by either with
+    the same message, before anything is written."""
+    if install == "python":
+        triton_only_install(monkeypatch)
+    elif not extension_is_built():
+        pytest.skip("pnm_kernels._C is not built")
     torch._dynamo.reset()
     params = [torch.rand(4, 3).requires_grad_() for _ in range(2)]
     opt = OPTIMIZERS["AdaPNM"](params, lr=torch.tensor(1e-2), backend="foreach")
@@ -414,20 +426,24 @@ def test_the_compiled_steps_checks_without_the_compiled_extension(edit, monkeypa
         for p in params:
             p.grad = torch.ones_like(p)
         step()
-    assert "check_traced_tensors_in_python" in graphs[-1]
-    assert "check_step_counts_in_python" in graphs[-1]
+    suffix = "_in_python" if install == "python" else ""
+    assert re.search(rf"check_traced_tensors{suffix}\b", graphs[-1])
+    assert re.search(rf"check_step_counts{suffix}\b", graphs[-1])
     values = [p.detach().clone() for p in params]
     if edit == "counter":
         opt.state[params[1]]["step"].fill_(-1)
         match = rf"{_SECOND}: its state 'step' is -1.0, not a whole number"
-    elif edit == "dtype":
-        params[1].data = params[1].data.bfloat16()
-        params[1].grad = torch.ones_like(params[1])
-        values[1] = params[1].detach().clone()
-        match = rf"{_SECOND} is torch.bfloat16 of shape \(4, 3\), strides \(3, 1\), on the CPU, where"
-    else:
+    elif edit == "gradient":
         params[0].grad = opt.state[params[0]]["exp_avg"]
         match = rf"{_FIRST}.*: its state 'exp_avg' is the very tensor of its gradient"
+    else:
+        params[1].data = {"dtype": lambda d: d.bfloat16(), "shape": lambda d: d.reshape(3, 4),
+                          "strides": lambda d: d.t().contiguous().t()}[edit](params[1].data)
+        params[1].grad = torch.ones_like(params[1])
+        values[1] = params[1].detach().clone()
+        match = _NOW_AND_TRACED.format(
+            _SECOND, *{"dtype": ("bfloat16", "4, 3", "3, 1"), "shape": ("float32", "3, 4", "4, 1"),
+                       "strides": ("float32", "4, 3", "1, 4")}[edit])
     try:
         with pytest.raises(RuntimeError, match=match):
             step()

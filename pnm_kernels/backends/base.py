@@ -217,10 +217,10 @@ def hold_layouts(batch: Batch):
     return tensor_layouts(tensors, list(batch.steps))
 
 
-def tensor_layouts(tensors: list, counters: list = []):
+def tensor_layouts(tensors: list, counters: tuple | list = ()):
     """hold_layouts of any tensors (the counters among them read again by layouts_unchanged)."""
     if extension_error() is None:
-        return torch.classes.pnm_kernels.HeldLayouts(tensors, counters)
+        return torch.classes.pnm_kernels.HeldLayouts(tensors, list(counters))
     return tensors, [_layout(t) for t in tensors], counters
 
 
