@@ -237,6 +237,16 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CompositeExplicitAutograd, m) {
   m.impl("check_traced_tensors", &pnm::check_traced_tensors);
 }
 
+// A lazy negative or conjugate view among the inputs: the dispatcher's fallback would hand the
+// check a resolved copy (in other memory, not lazy); the check itself sees and refuses it.
+TORCH_LIBRARY_IMPL(pnm_kernels, Negative, m) {
+  m.impl("check_traced_tensors", &pnm::check_traced_tensors);
+}
+
+TORCH_LIBRARY_IMPL(pnm_kernels, Conjugate, m) {
+  m.impl("check_traced_tensors", &pnm::check_traced_tensors);
+}
+
 TORCH_LIBRARY_IMPL(pnm_kernels, CPU, m) {
   m.impl("pnm_step_", &pnm::pnm_step_op<pnm::CpuFused>);
   m.impl("adapnm_step_", &pnm::adapnm_step_op<pnm::CpuFused>);

@@ -29,9 +29,14 @@ constexpr const char* kPnmListNames[] = {"params", "grads", "pos_momentums", "ne
 constexpr const char* kAdaPnmListNames[] = {"params",       "grads",      "exp_avgs",
                                             "neg_exp_avgs", "exp_avg_sqs", "max_exp_avg_sqs"};
 
+constexpr const char* kLazyView =
+    " is an unresolved negative or conjugate view: the kernels read and write its memory "
+    "itself (resolve it: t.resolve_neg().resolve_conj())";
+
 void check_scalar_tensor(const std::optional<at::Tensor>& t, const char* name,
                          const c10::Device& device, bool lr) {
   if (!t.has_value()) return;
+  TORCH_CHECK(!is_lazy_view(*t), "pnm_kernels: ", name, kLazyView);
   const bool dtype_ok =
       t->scalar_type() == at::kFloat || (lr && t->scalar_type() == at::kDouble);
   TORCH_CHECK(t->numel() == 1 && dtype_ok, "pnm_kernels: ", name, " must be a ",
@@ -72,6 +77,7 @@ void check_int8_call(const StepCall& call, const char* const* names) {
                   "pnm_kernels: ", names[l], "[", i, "] must be contiguous, of shape ",
                   p.sizes(), ", on ", p.device());
       const at::Tensor& scale = call.scales[(l - 2) * n + i];
+      TORCH_CHECK(!is_lazy_view(scale), "pnm_kernels: scales[", (l - 2) * n + i, "]", kLazyView);
       TORCH_CHECK(scale.defined() && scale.scalar_type() == at::kFloat &&
                       scale.dim() == 2 && scale.size(0) == rows && scale.size(1) == blocks &&
                       scale.is_contiguous() && scale.device() == p.device(),
@@ -151,11 +157,13 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                       seed.device() == device,
                   "pnm_kernels: seeds[", i, "] must be an int64 tensor with one element on ",
                   device);
+      TORCH_CHECK(!is_lazy_view(seed), "pnm_kernels: seeds[", i, "]", kLazyView);
       TORCH_CHECK(call.offsets[i] >= 0, "pnm_kernels: offsets[", i, "] is negative");
     }
     for (int l = 0; l < call.num_lists; ++l) {
       const at::Tensor& t = call.lists[l][i];
       TORCH_CHECK(t.defined(), "pnm_kernels: ", names[l], "[", i, "] is undefined");
+      TORCH_CHECK(!is_lazy_view(t), "pnm_kernels: ", names[l], "[", i, "]", kLazyView);
       if (expected != nullptr && l != 1) {  // gradients are not held
         check_memory(*expected, l == 0 ? 0 : l - 1, i, t, names[l]);
       }
@@ -181,6 +189,7 @@ void check_call(const StepCall& call, const char* const* names, c10::DeviceType 
                     s.device() == device,
                 "pnm_kernels: steps[", i, "] must be a float64 tensor with one element on ",
                 device);
+    TORCH_CHECK(!is_lazy_view(s), "pnm_kernels: steps[", i, "]", kLazyView);
     TORCH_CHECK(counts_whole_steps(s), "pnm_kernels: steps[", i, "] is ",
                 *static_cast<const double*>(s.const_data_ptr()),
                 ", not a whole number of steps >= 0");
@@ -352,6 +361,7 @@ int64_t first_mismatched_grad(at::TensorList params, at::TensorList grads, bool 
     const at::Tensor& p = params[i];
     const at::Tensor& g = grads[i];
     if (!g.defined() || g.layout() != at::kStrided || p.layout() != at::kStrided ||
+        is_lazy_view(p) || is_lazy_view(g) ||
         p.device() != params[0].device() || p.scalar_type() != params[0].scalar_type() ||
         g.device() != p.device() || g.scalar_type() != p.scalar_type() ||
         !g.sizes().equals(p.sizes()) ||

@@ -51,10 +51,18 @@ struct StepCall {
 struct Memory {
   const void* storage;
   int64_t offset;
+  bool lazy;  // read through a lazy negation or conjugation (is_lazy_view)
   bool operator!=(const Memory& other) const {
-    return storage != other.storage || offset != other.offset;
+    return storage != other.storage || offset != other.offset || lazy != other.lazy;
   }
 };
+
+// A tensor whose elements are its memory negated or conjugated when read (`.conj()`,
+// `torch._neg_view`, `z.conj().imag`): the kernels read and write the memory itself, so no
+// step takes one. As is_neg() || is_conj(), a test of the dispatch keys.
+inline bool is_lazy_view(const at::Tensor& t) {
+  return t.defined() && (t.is_neg() || t.is_conj());
+}
 
 // The length of an int8-state parameter's rows (its dim-0 slices): from its shape, not
 // numel / rows, as an FSDP2 shard of a parameter with fewer rows than ranks holds none.
@@ -65,9 +73,10 @@ inline int64_t int8_row_length(const at::Tensor& p) {
 }
 
 inline Memory memory_of(const at::Tensor& t) {
-  if (!t.defined()) return {nullptr, 0};
+  if (!t.defined()) return {nullptr, 0, false};
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  return {impl->unsafe_storage().unsafeGetStorageImpl(), impl->storage_offset()};
+  return {impl->unsafe_storage().unsafeGetStorageImpl(), impl->storage_offset(),
+          is_lazy_view(t)};
 }
 
 // The memory of held lists' tensors (StepLists): blocks of params, buffer0..3 and steps.

@@ -55,6 +55,16 @@ inline bool counter_fits(const at::Tensor& s, const at::Tensor& p) {
          s.device() == p.device() && counts_whole_steps(s);
 }
 
+// Gradients handed to held lists must not be lazy negative or conjugate views: the
+// dispatcher's fallback would step a resolved copy of them where the planned step refuses
+// them (check_param), naming them (the deferred step's refusal is explained so).
+void check_grads_resolved(const std::vector<at::Tensor>& grads) {
+  for (size_t i = 0; i < grads.size(); ++i) {
+    TORCH_CHECK(!is_lazy_view(grads[i]), "pnm_kernels: grads[", i,
+                "] is an unresolved negative or conjugate view");
+  }
+}
+
 }  // namespace
 
 void StepLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
@@ -62,6 +72,7 @@ void StepLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr,
                          std::optional<at::Tensor> lr_tensor,
                          std::optional<at::Tensor> grad_scale,
                          std::optional<at::Tensor> found_inf) {
+  check_grads_resolved(grads);
   pnm_step_on(params, grads, buffer0, buffer1, steps, nullptr, emulate, lr, beta1, beta0,
               weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf);
 }
@@ -72,6 +83,7 @@ void StepLists::adapnm_step(std::vector<at::Tensor> grads, bool emulate, double 
                             std::optional<at::Tensor> lr_tensor,
                             std::optional<at::Tensor> grad_scale,
                             std::optional<at::Tensor> found_inf) {
+  check_grads_resolved(grads);
   adapnm_step_on(params, grads, buffer0, buffer1, buffer2, buffer3, steps, nullptr, emulate, lr,
                  beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize, lr_tensor,
                  grad_scale, found_inf);
@@ -294,6 +306,7 @@ void StateLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr
                           bool maximize, std::optional<at::Tensor> lr_tensor,
                           std::optional<at::Tensor> grad_scale,
                           std::optional<at::Tensor> found_inf, bool bf16_stochastic_round) {
+  check_grads_resolved(grads);
   if (int8) {
     static const auto op = find_op<PnmInt8StepFn>("pnm_kernels::pnm_int8_step_");
     static const auto emulated =
@@ -319,6 +332,7 @@ void StateLists::adapnm_step(std::vector<at::Tensor> grads, bool emulate, double
                              std::optional<at::Tensor> lr_tensor,
                              std::optional<at::Tensor> grad_scale,
                              std::optional<at::Tensor> found_inf, bool bf16_stochastic_round) {
+  check_grads_resolved(grads);
   if (int8) {
     static const auto op = find_op<AdaPnmInt8StepFn>("pnm_kernels::adapnm_int8_step_");
     static const auto emulated =

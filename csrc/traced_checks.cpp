@@ -82,6 +82,7 @@ Entry entry_at(at::IntArrayRef layouts, size_t at) {
 }
 
 bool laid_out_as(const at::Tensor& t, const Entry& e, const int64_t* shape) {
+  if (is_lazy_view(t)) return false;  // never traced so (the eager checks refuse it)
   if ((e.dtype != kDtypeNotCompared && e.dtype != dtype_code(t.scalar_type())) ||
       e.device != device_code(t)) {
     return false;

@@ -17,8 +17,8 @@ namespace pnm {
 void check_step_counts(at::TensorList steps, at::IntArrayRef groups, at::IntArrayRef places);
 
 // The step's tensors (the counters, `written`, `read`, in that order) as the step was traced:
-// - each laid out as `layouts` says; else traced._refuse_changed_tensor raises naming it, with
-//   the layout it was traced with. An entry a tensor: a head, dtype + 2^8 (device + 1) +
+// - each laid out as `layouts` says, and no lazy negative or conjugate view (is_lazy_view);
+//   else traced._refuse_changed_tensor raises naming it, with the layout it was traced with. An entry a tensor: a head, dtype + 2^8 (device + 1) +
 //   2^16 (dims + 1) + 2^24 contiguous (dtype: its dtype_code, 255 not compared; device: -1
 //   the CPU, else its index; dims: -1 sizes not compared), then its sizes, then, where not
 //   contiguous, its strides (a layout as short as can be: the list is converted at every

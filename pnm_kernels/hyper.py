@@ -53,6 +53,10 @@ def validate_lr(lr, where: str) -> None:
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
                              f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
+        if lr.is_neg():  # the kernels read its memory, not its value
+            raise ValueError(f"{where}: the tensor lr is an unresolved negative view (from "
+                             "z.conj().imag or similar), whose memory holds the lr negated; "
+                             "give it as `lr.resolve_neg()`")
         if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
             _check_real(where, "lr", float(lr.detach()), low=0.0)
     else:
@@ -110,7 +114,7 @@ def _value_signature(v):
     # where it was True is equal, yet refused where given first.
     if isinstance(v, torch.Tensor):
         value = v.detach().item() if v.device.type == "cpu" and v.numel() == 1 else None
-        return id(v), v._version, v.data_ptr(), value
+        return id(v), v._version, v.data_ptr(), v.is_neg(), value
     return (list, tuple(v)) if type(v) is list else (type(v), v)
 
 

@@ -30,3 +30,17 @@ def fits(t: torch.Tensor, p: torch.Tensor) -> bool:
     """`t` may stand beside `p` in a flat kernel's lists: same dtype, device, shape, layout."""
     return (t.dtype == p.dtype and t.device == p.device and t.shape == p.shape
             and dense_like(t, p))
+
+
+def lazy_view(t: torch.Tensor):
+    """'negative' or 'conjugate' where `t` reads as its memory negated or conjugated (from
+    .conj(), `z.conj().imag`, torch._neg_view): the kernels read and write the memory itself,
+    so no step takes such a tensor (csrc's is_lazy_view). None otherwise."""
+    if t.is_conj():
+        return "conjugate"
+    return "negative" if t.is_neg() else None
+
+
+LAZY_VIEW_ADVICE = ("the step reads and writes memory, so resolve it first "
+                    "(`t.data = t.data.resolve_conj().resolve_neg()`)")
+

@@ -7,7 +7,7 @@ import sys
 import torch
 
 from .backends.base import Batch
-from .layout import dense_like, is_dense
+from .layout import LAZY_VIEW_ADVICE, dense_like, is_dense, lazy_view
 from .state import is_dtensor, is_plain
 
 
@@ -29,12 +29,10 @@ def check_param(param, gi, pi) -> None:
     if param.is_sparse or param.layout != torch.strided:
         raise RuntimeError(f"{describe(param, gi, pi)} is sparse; not supported")
     for what, t in (("", param), ("'s gradient", grad)):
-        if t.is_conj() or t.is_neg():  # lazy views the kernels cannot write or read as real
-            raise RuntimeError(
-                f"{describe(param, gi, pi)}{what} is an unresolved "
-                f"{'conjugate' if t.is_conj() else 'negative'} view (from .conj() or "
-                "similar): the step reads and writes memory, so resolve it first "
-                "(`t.data = t.data.resolve_conj().resolve_neg()`)")
+        lazy = lazy_view(t)
+        if lazy:
+            raise RuntimeError(f"{describe(param, gi, pi)}{what} is an unresolved {lazy} view "
+                               f"(from .conj() or similar): {LAZY_VIEW_ADVICE}")
 
 
 def is_param_list(params) -> bool:

@@ -15,7 +15,7 @@ import torch
 from . import quantization
 from .backends.base import STEP_DTYPE
 from .counters import as_seed, as_step, count_problem, is_one_number, seed_problem
-from .layout import is_dense, same_dense_layout
+from .layout import is_dense, lazy_view, same_dense_layout
 
 # How often anyone but the optimizers changed which tensors a state holds. One counter for
 # the process: a state entry may be shared between optimizers (opt2.state = opt1.state), and
@@ -197,6 +197,13 @@ def check_state(state: dict, p, names) -> None:
         return
     if REFUSED_LOAD in entry:
         raise StateValueError(REFUSED_LOAD, entry[REFUSED_LOAD])
+    for key in keys_read(names):
+        value = entry.get(key)
+        lazy = lazy_view(_local(value)) if isinstance(value, torch.Tensor) else None
+        if lazy:
+            raise StateValueError(key, f"is an unresolved {lazy} view (from .conj() or "
+                                  "similar), whose memory the step would read and write as "
+                                  "it is (resolve it: `t.resolve_conj().resolve_neg()`)")
     for key in ("step", "seed"):
         value = entry.get(key)
         if value is None:

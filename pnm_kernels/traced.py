@@ -15,6 +15,7 @@ from .backends import BACKENDS, traceable
 from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
 from .hyper import Hyper, assert_lr_in_graph, lr_dtype_for, needs_seed, validate_group
+from .layout import LAZY_VIEW_ADVICE, lazy_view
 from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
                      kernel_views, local)
 from .plan import group_batches
@@ -185,14 +186,18 @@ def _refuse_changed_tensor(optimizer_at: int, where: int, numel: int, dtype: int
     dtype of code `dtype` on `device` (see _layouts), of `sizes` and `strides` (or None)."""
     dtypes = {code: d for d, code in DTYPE_CODES.items()}
     traced = _layout_text(dtypes.get(dtype, "another dtype"), device, sizes, strides)
-    name, now = "a tensor of the step", None
+    name, now, lazy = "a tensor of the step", None, None
     for tensor, owner in _tensors_named(_traced_optimizer(optimizer_at)):
         t = local(tensor)
         if where and t.numel() == numel and t.data_ptr() == where:
-            name = owner
+            name, lazy = owner, lazy_view(t)
             now = _layout_text(t.dtype, -1 if t.device.type == "cpu" else t.device.index,
                                tuple(t.shape), t.stride())
             break
+    if lazy:
+        raise RuntimeError(
+            f"pnm_kernels: {name} is an unresolved {lazy} view (given through .data after the "
+            f"step was traced?) of {now}: {LAZY_VIEW_ADVICE}. Nothing was stepped")
     raise RuntimeError(
         f"pnm_kernels: {name} is {'not laid out' if now is None else now}, where the compiled "
         f"step was traced with {traced}: changed through .data (module.to() changes a "
@@ -245,6 +250,10 @@ def _check_step_counts_in_python(steps: list[torch.Tensor], groups: list[int],
 def _check_traced_tensors_in_python(steps: list[torch.Tensor], written: list[torch.Tensor],
                                     read: list[torch.Tensor], layouts: list[int]) -> None:
     """csrc/traced_checks.h's check_traced_tensors, for an install without the extension."""
+    _check_layouts_and_memory(steps, written, read, layouts)
+
+
+def _check_layouts_and_memory(steps, written, read, layouts) -> None:
     at = 0
     for t in steps + written + read:
         head = layouts[at]
@@ -254,7 +263,7 @@ def _check_traced_tensors_in_python(steps: list[torch.Tensor], written: list[tor
         now = _layout_entry(t, dims >= 0)
         if dtype == _NOT_COMPARED:
             now[0] = (now[0] & ~255) + _NOT_COMPARED
-        if now != entry:
+        if now != entry or lazy_view(t):
             where = t.data_ptr() if t.numel() else 0
             sizes = entry[1:1 + dims] if dims >= 0 else None
             strides = entry[1 + dims:] if dims >= 0 and not contiguous else None
@@ -265,6 +274,14 @@ def _check_traced_tensors_in_python(steps: list[torch.Tensor], written: list[tor
         at += len(entry)
     if extents_meet(steps + written, read):
         _refuse_shared_memory(_first_memory(written))
+
+
+# A lazy negative or conjugate view among the inputs: the dispatcher's fallback would hand the
+# check a resolved copy (in other memory, not lazy); the check itself sees and refuses it (as
+# csrc/ops.cpp registers the C++ check).
+_LAZY_VIEW_KERNELS = torch.library.Library("pnm_kernels", "IMPL")
+for _key in ("Negative", "Conjugate"):
+    _LAZY_VIEW_KERNELS.impl("check_traced_tensors_in_python", _check_layouts_and_memory, _key)
 
 
 @_check_step_counts_in_python.register_fake
@@ -298,6 +315,21 @@ def _check_every_group(optimizer) -> None:
     optimizer._batches.check_memory(optimizer, claims)
 
 
+def _make_every_state(optimizer) -> None:
+    """Makes or converts the state of every group's parameters that step, before the first
+    group's lists are made: dynamo maps the tensors of every group's state, by their keys'
+    places, after each group's init_group, and a later group's conversion that drops keys
+    (int8 state's scales, its state_dtype switched) would leave those places stale (an
+    IndexError while dynamo builds its guards, the state converted)."""
+    places = ParameterPlaces(optimizer)
+    for group in optimizer.param_groups:
+        num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
+        names = optimizer._buffer_names[:num_buffers]
+        for p in group["params"]:
+            if p.grad is not None:
+                optimizer._batches.state_for(optimizer, p, names, group, places)
+
+
 def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
                seeds, scales):
     """Run untraced (see the optimizer's _init_group): validates the group, checks its
@@ -313,6 +345,7 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     if gi == 0:
         _check_every_group(optimizer)
         _TRACED.add(optimizer)
+        _make_every_state(optimizer)
     num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
     names = optimizer._buffer_names[:num_buffers]

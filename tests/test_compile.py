@@ -339,6 +339,53 @@ def test_a_tensor_changed_through_data_after_tracing_is_refused_before_any_group
     assert_states_close(opt, params, eager, eager_params)
 
 
+_LAZY_VIEW_EDITS = {  # each leaves params[1]'s tensor a lazy negative view of its values
+    "parameter": lambda opt, p: setattr(p, "data", torch._neg_view(-p.data)),
+    "state": lambda opt, p: setattr(opt.state[p]["exp_avg"], "data",
+                                    torch._neg_view(-opt.state[p]["exp_avg"].data)),
+    "gradient": lambda opt, p: setattr(p, "grad", torch._neg_view(-p.grad)),
+}
+_LAZY_VIEW_NAMED = {
+    "parameter": r"param_groups\[1\]\['params'\]\[0\] is an unresolved negative view",
+    "state": r"param_groups\[1\]\['params'\]\[0\]'s state 'exp_avg' is an unresolved negative view",
+    "gradient": r"param_groups\[1\]\['params'\]\[0\]'s gradient is an unresolved negative view",
+}
+
+
+@pytest.mark.parametrize("what", list(_LAZY_VIEW_EDITS))
+@pytest.mark.parametrize("backend, install", [("fused", "extension"), ("foreach", "extension"),
+                                              ("foreach", "python")])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_lazy_negative_view_after_tracing_is_refused_before_any_group_steps(
+        compiler, backend, install, what, monkeypatch):
+    """A parameter or state tensor given a lazy negative view of its values through .data
+    after tracing (which dynamo does not see), or a gradient that is one: the kernels would
+    read and write the memory itself (the fused op refused in the second group, the first
+    stepped). The graph's check refuses it naming it, as the eager step does, before any
+    group steps (the C++ check, or the Python one on an install without the extension);
+    under aot_eager, functionalising the check refuses it first (torch's own
+    NotImplementedError)."""
+    if install == "python":
+        triton_only_install(monkeypatch)
+    elif not extension_is_built():
+        pytest.skip("pnm_kernels._C is not built")
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.rand(4, 3, generator=gen).requires_grad_() for _ in range(2)]
+    opt = OPTIMIZERS["AdaPNM"]([dict(params=params[:1]), dict(params=params[1:], lr=3e-3)],
+                               lr=1e-2, backend=backend)
+    step = torch.compile(opt.step, backend=compiler)
+    for t in range(2):
+        for p in params:
+            p.grad = torch.full_like(p, 0.5 + t)
+        step()
+    error, match = RuntimeError, _LAZY_VIEW_NAMED[what]
+    if compiler == "aot_eager":
+        error, match = NotImplementedError, r"auto_functionalized.*DispatchKey.Negative"
+    _assert_refused_untouched(step, opt, params, match, error=error,
+                              edit=lambda: _LAZY_VIEW_EDITS[what](opt, params[1]))
+
+
 def test_interleaved_parameters_are_checked_element_by_element_once_not_at_every_step(
         monkeypatch):
     """Column blocks of one matrix: their extents meet, their elements do not. The graph's

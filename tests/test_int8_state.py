@@ -296,6 +296,42 @@ def test_a_compiled_step_with_int8_state_has_no_graph_break_and_steps_as_eager(n
         torch.testing.assert_close(p, q)
 
 
+@pytest.mark.parametrize("switched", ["both groups", "the second group"])
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_a_compiled_step_converts_int8_state_of_a_later_group_switched_to_bfloat16(backend,
+                                                                                  switched):
+    """A later group's state_dtype switched from int8 between compiled steps drops its
+    scales' keys: every group's state is converted before dynamo maps the first group's
+    (it maps every group's state by the keys' places; a later conversion left them stale,
+    an IndexError). The step then gives what the eager step gives: bitwise on the fused
+    op; the traced foreach ops round an ulp apart from eager's, as without the switch."""
+    runs = []
+    for compiled in (True, False):
+        torch._dynamo.reset()
+        gen = torch.Generator().manual_seed(0)
+        params = [torch.randn(3, 200, generator=gen).requires_grad_(),
+                  torch.randn(2, 130, generator=gen).requires_grad_()]
+        opt = AdaPNM([dict(params=params[:1]), dict(params=params[1:])], lr=torch.tensor(1e-2),
+                     backend=backend, state_dtype=torch.int8)
+        step = torch.compile(opt.step, backend="aot_eager") if compiled else opt.step
+        for t in range(4):
+            if t == 2:
+                for group in opt.param_groups[1 if switched == "the second group" else 0:]:
+                    group["state_dtype"] = torch.bfloat16
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=gen)
+            step()
+        runs.append((opt, params))
+    (opt, params), (eager, eager_params) = runs
+    if backend == "fused":
+        assert_same_bits(opt, params, eager, eager_params)
+    else:
+        for p, q in zip(params, eager_params):
+            torch.testing.assert_close(p, q)
+    assert opt.state[params[1]]["exp_avg"].dtype == torch.bfloat16
+    assert scale_name("exp_avg") not in opt.state[params[1]]
+
+
 # -- the fused kernel's op ----------------------------------------------------------------
 
 needs_extension = pytest.mark.skipif(_ops.extension_error() is not None,

@@ -199,8 +199,9 @@ def held_lists_ok(batch: Batch) -> bool:
 def held_memory(batch: Batch) -> list:
     """Where each of a batch's parameters, buffers and counters is (StepLists.memory_unchanged
     in csrc/step_lists.h says why), for held_lists_ok without the extension."""
-    return [t.data_ptr() for t in (*batch.params, *(b for bs in batch.buffers for b in bs),
-                                   *batch.steps)]
+    return [(t.data_ptr(), t.is_neg()) for t in (*batch.params,
+                                                 *(b for bs in batch.buffers for b in bs),
+                                                 *batch.steps)]
 
 
 def own_state(batch: Batch) -> bool:
@@ -235,7 +236,7 @@ def layouts_unchanged(layouts) -> bool:
 
 
 def _layout(t: torch.Tensor) -> tuple:
-    return t.dtype, t.device, t.layout, t.shape, t.stride(), t.data_ptr()
+    return t.dtype, t.device, t.layout, t.shape, t.stride(), t.data_ptr(), t.is_neg()
 
 
 def int8_parts(batch: Batch) -> tuple:
