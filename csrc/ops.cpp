@@ -240,10 +240,12 @@ TORCH_LIBRARY_IMPL(pnm_kernels, CompositeExplicitAutograd, m) {
 // A lazy negative or conjugate view among the inputs: the dispatcher's fallback would hand the
 // check a resolved copy (in other memory, not lazy); the check itself sees and refuses it.
 TORCH_LIBRARY_IMPL(pnm_kernels, Negative, m) {
+  m.impl("check_step_counts", &pnm::check_step_counts);
   m.impl("check_traced_tensors", &pnm::check_traced_tensors);
 }
 
 TORCH_LIBRARY_IMPL(pnm_kernels, Conjugate, m) {
+  m.impl("check_step_counts", &pnm::check_step_counts);
   m.impl("check_traced_tensors", &pnm::check_traced_tensors);
 }
 

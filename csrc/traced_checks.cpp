@@ -153,6 +153,7 @@ void check_step_counts(at::TensorList steps, at::IntArrayRef groups, at::IntArra
   for (size_t i = 0; i < steps.size(); ++i) {
     const at::Tensor& step = steps[i];
     if (!step.device().is_cpu()) continue;  // not read: that would synchronise
+    if (is_lazy_view(step)) continue;  // check_traced_tensors, next, refuses it naming it
     const double v = step.scalar_type() == at::kDouble
                          ? *static_cast<const double*>(step.const_data_ptr())
                          : step.item<double>();

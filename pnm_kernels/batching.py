@@ -14,14 +14,14 @@ from .aliasing import (GRADIENT, LR, PARAMETER, MemoryClaims, SharedMemoryError,
 from .backends import BACKENDS
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
                             layouts_unchanged, own_state, tensor_layouts)
-from .layout import dense_like
+from .layout import LAZY_VIEW_ADVICE, dense_like, lazy_view
 from .hyper import needs_seed, steps_in_float32
 from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
                      shard_of)
 from .quantization import scale_name
 from .state import (REFUSED_LOAD, BufferShapeError, CodesWithoutScalesError, ParamState,
-                    StateValueError, StateWatch, check_state, claim_state, count_replacement,
-                    ensure_state, is_plain, keys_read)
+                    StateValueError, StateWatch, check_resolved, check_state, claim_state,
+                    count_replacement, ensure_state, is_plain, keys_read)
 
 _MAX_ENTRIES = 64
 
@@ -163,6 +163,17 @@ class BatchCache:
                 claims.add(p, p, PARAMETER)
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, names)
+
+    def check_resolved(self, optimizer, group, p, names) -> None:
+        """Raises, naming p, where p or a tensor of its state the step reads is a lazy
+        negative or conjugate view (a parameter of another bucket inside backward, checked
+        with the first bucket built after memory changed)."""
+        lazy = lazy_view(local(p))
+        if lazy:
+            raise RuntimeError(f"{_describe(optimizer, group, p)} is an unresolved {lazy} view "
+                               f"(from .conj() or similar): {LAZY_VIEW_ADVICE}")
+        with _explained(optimizer, group, p):
+            check_resolved(optimizer.state, p, names)
 
     def grad_in_written(self, optimizer, plan, reused, names, lrs=()) -> bool:
         """Whether a gradient (or a group's tensor lr, `lrs`) of the step lies in memory a

@@ -29,7 +29,7 @@ def check_param(param, gi, pi) -> None:
     if param.is_sparse or param.layout != torch.strided:
         raise RuntimeError(f"{describe(param, gi, pi)} is sparse; not supported")
     for what, t in (("", param), ("'s gradient", grad)):
-        lazy = lazy_view(t)
+        lazy = lazy_view(local(t))  # a DTensor's shard is what the kernels take
         if lazy:
             raise RuntimeError(f"{describe(param, gi, pi)}{what} is an unresolved {lazy} view "
                                f"(from .conj() or similar): {LAZY_VIEW_ADVICE}")

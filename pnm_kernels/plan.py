@@ -269,7 +269,7 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         for item, n, batch in zip(plan, item_names, reused):
             if batch is not None:
                 cache.check_states(optimizer, item.group, item.params, n, claims)
-        others = _claim_others(optimizer, plan, planner, names, claims) if bucket else []
+        others = _claim_others(optimizer, plan, planner, cache, names, claims) if bucket else []
     cache.check_memory(optimizer, claims)
     built = [(batch, []) if batch is not None else cache.new_batch(optimizer, item, n)
              for item, n, batch in zip(plan, item_names, reused)]
@@ -286,16 +286,18 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     return [batch for batch, _ in built]
 
 
-def _claim_others(optimizer, plan, planner: Planner, names, claims) -> list:
+def _claim_others(optimizer, plan, planner: Planner, cache: BatchCache, names, claims) -> list:
     """Adds to `claims` the memory of the parameters outside the plan that may step (those
-    requiring gradients: in other buckets), their gradients' and their state's; their state
-    is checked when their own bucket is built. Returns them."""
+    requiring gradients: in other buckets), their gradients' and their state's, and refuses
+    one of them, or a tensor of its state, that is a lazy view; the rest of their state is
+    checked when their own bucket is built. Returns them."""
     planned = {id(p) for item in plan for p in item.params}
     claimed = []
     for group in optimizer.param_groups:
         group_names = planner.buffer_names(names, group)
         for p in group["params"]:
             if id(p) not in planned and p.requires_grad:
+                cache.check_resolved(optimizer, group, p, group_names)
                 claims.add(p, p, PARAMETER)
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, group_names)

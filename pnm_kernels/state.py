@@ -197,13 +197,7 @@ def check_state(state: dict, p, names) -> None:
         return
     if REFUSED_LOAD in entry:
         raise StateValueError(REFUSED_LOAD, entry[REFUSED_LOAD])
-    for key in keys_read(names):
-        value = entry.get(key)
-        lazy = lazy_view(_local(value)) if isinstance(value, torch.Tensor) else None
-        if lazy:
-            raise StateValueError(key, f"is an unresolved {lazy} view (from .conj() or "
-                                  "similar), whose memory the step would read and write as "
-                                  "it is (resolve it: `t.resolve_conj().resolve_neg()`)")
+    check_resolved(state, p, names)
     for key in ("step", "seed"):
         value = entry.get(key)
         if value is None:
@@ -226,6 +220,18 @@ def check_state(state: dict, p, names) -> None:
             if isinstance(value, torch.Tensor) and _local(value).is_meta:
                 raise StateValueError(key, "is on the meta device (no data), beside a "
                                       "parameter with data")
+
+
+def check_resolved(state: dict, p, names) -> None:
+    """Raises StateValueError where a tensor of p's state that the step reads is a lazy
+    negative or conjugate view (layout.lazy_view)."""
+    for key in keys_read(names):
+        value = (state.get(p) or {}).get(key)
+        lazy = lazy_view(_local(value)) if isinstance(value, torch.Tensor) else None
+        if lazy:
+            raise StateValueError(key, f"is an unresolved {lazy} view (from .conj() or "
+                                  "similar), whose memory the step would read and write as "
+                                  "it is (resolve it: `t.resolve_conj().resolve_neg()`)")
 
 
 def keys_read(names) -> tuple:

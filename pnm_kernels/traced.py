@@ -241,7 +241,13 @@ def _first_memory(tensors) -> int:
 def _check_step_counts_in_python(steps: list[torch.Tensor], groups: list[int],
                                  places: list[int]) -> None:
     """csrc/traced_checks.h's check_step_counts, for an install without the extension."""
+    _check_counts(steps, groups, places)
+
+
+def _check_counts(steps, groups, places) -> None:
     for step, group, place in zip(steps, groups, places):
+        if lazy_view(step):
+            continue  # _check_traced_tensors_in_python, next, refuses it naming it
         if not is_whole_count(float(step)):
             _refuse_step_count(group, place, float(step))
 
@@ -281,6 +287,7 @@ def _check_layouts_and_memory(steps, written, read, layouts) -> None:
 # csrc/ops.cpp registers the C++ check).
 _LAZY_VIEW_KERNELS = torch.library.Library("pnm_kernels", "IMPL")
 for _key in ("Negative", "Conjugate"):
+    _LAZY_VIEW_KERNELS.impl("check_step_counts_in_python", _check_counts, _key)
     _LAZY_VIEW_KERNELS.impl("check_traced_tensors_in_python", _check_layouts_and_memory, _key)
 
 

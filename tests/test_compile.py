@@ -344,11 +344,14 @@ _LAZY_VIEW_EDITS = {  # each leaves params[1]'s tensor a lazy negative view of i
     "state": lambda opt, p: setattr(opt.state[p]["exp_avg"], "data",
                                     torch._neg_view(-opt.state[p]["exp_avg"].data)),
     "gradient": lambda opt, p: setattr(p, "grad", torch._neg_view(-p.grad)),
+    "counter": lambda opt, p: setattr(opt.state[p]["step"], "data",
+                                      torch._neg_view(-opt.state[p]["step"].data)),
 }
 _LAZY_VIEW_NAMED = {
     "parameter": r"param_groups\[1\]\['params'\]\[0\] is an unresolved negative view",
     "state": r"param_groups\[1\]\['params'\]\[0\]'s state 'exp_avg' is an unresolved negative view",
     "gradient": r"param_groups\[1\]\['params'\]\[0\]'s gradient is an unresolved negative view",
+    "counter": r"param_groups\[1\]\['params'\]\[0\]'s state 'step' is an unresolved negative view",
 }
 
 

@@ -420,6 +420,32 @@ def test_fsdp2_steps_hold_their_shards_and_follow_new_ones(one_rank, path, name)
         assert builds == 2
 
 
+@needs_one_rank_fsdp2
+@pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
+def test_fsdp2_a_local_shard_made_a_lazy_negative_view_is_refused_before_any_change(one_rank,
+                                                                                     path):
+    """A DTensor parameter whose local shard (what the kernels take) reads as its memory
+    negated (`_local_tensor.data = ...`): refused naming the parameter, as a plain tensor
+    is, before any parameter or state changes (foreach stepped counters, then refused)."""
+    model, (xs, ys) = _one_rank_model()
+    params = list(model.parameters())
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, backend=path)
+    _train(model, opt, xs, ys, range(3))
+    shard = params[-1]._local_tensor
+    shard.data = torch._neg_view(-shard.data)
+    before = [(p.detach().full_tensor().clone(),
+               {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
+                for k, v in opt.state[p].items()}) for p in params]
+    with pytest.raises(RuntimeError, match=rf"params'\]\[{len(params) - 1}\] \(shape .*\) is an "
+                                           "unresolved negative view"):
+        _train(model, opt, xs, ys, range(3, 4))
+    for p, (value, state) in zip(params, before):
+        assert torch.equal(p.detach().full_tensor(), value)
+        for k, v in state.items():
+            now = opt.state[p][k]
+            assert torch.equal(now.full_tensor() if hasattr(now, "full_tensor") else now, v)
+
+
 def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
     """Three steps, then one where a gradient's local shard is not contiguous, then one where
     a gradient is a plain tensor (a DTensor parameter's gradient set by hand), then two more.

@@ -490,19 +490,30 @@ def _state_given_anothers_memory(opt, params):
     opt.state[params[0]]["exp_avg"].data = opt.state[params[4]]["exp_avg"].data
 
 
+def _parameter_made_lazy(opt, params):
+    params[0].data = torch._neg_view(params[0].data)  # its memory; backward reaches it last
+
+
+def _state_made_lazy(opt, params):
+    opt.state[params[0]]["exp_avg"].data = torch._neg_view(opt.state[params[0]]["exp_avg"].data)
+
+
 @pytest.mark.parametrize("edit, match", [
     # Named in the order the check met them; the weights are the group's params 0, 1, 2.
     (_parameter_given_anothers_memory, r"params'\]\[[01]\].* shares memory with .*params'\]\[[01]\]"),
     (_state_given_anothers_memory, r"params'\]\[[02]\].*its state 'exp_avg' shares memory with "
-                                   r".*params'\]\[[02]\].*'s state 'exp_avg'")],
-    ids=["parameter", "state"])
+                                   r".*params'\]\[[02]\].*'s state 'exp_avg'"),
+    (_parameter_made_lazy, r"params'\]\[0\] \(shape .*\) is an unresolved negative view"),
+    (_state_made_lazy, r"params'\]\[0\].*its state 'exp_avg' is an unresolved negative view")],
+    ids=["parameter", "state", "lazy parameter", "lazy state"])
 @cases.parametrize(FAST_PATHS + ["reference"], optimizers=["AdaPNM"])
 def test_memory_given_through_data_between_passes_is_refused_before_any_bucket_steps(
         path, name, edit, match):
     """A parameter or a state buffer given another parameter's (state's) memory through
-    .data after the probe, which no version counts: the pass's first bucket, though its own
-    tensors did not move, is checked against every other parameter's memory (the held lists
-    confirmed in C++, the others located), so the pass is refused before any bucket steps."""
+    .data after the probe, which no version counts, or made a lazy negative view of its own
+    memory: the pass's first bucket, though its own tensors did not move, is checked against
+    every other parameter's memory and bit (the held lists confirmed in C++, the others
+    located), so the pass is refused before any bucket steps."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.GELU(), torch.nn.Linear(8, 8),
                                 torch.nn.GELU(), torch.nn.Linear(8, 8))
