@@ -7,6 +7,7 @@ from typing import Optional, Union
 
 import torch
 
+from .layout import LAZY_VIEW_ADVICE
 from .reference import needs_seed, noise_norm, steps_in_float32
 
 BACKEND_NAMES = ("auto", "fused", "triton", "foreach", "reference")
@@ -55,8 +56,7 @@ def validate_lr(lr, where: str) -> None:
                              f"element, got {lr.dtype} with shape {tuple(lr.shape)}")
         if lr.is_neg():  # the kernels read its memory, not its value
             raise ValueError(f"{where}: the tensor lr is an unresolved negative view (from "
-                             "z.conj().imag or similar), whose memory holds the lr negated; "
-                             "give it as `lr.resolve_neg()`")
+                             f"z.conj().imag or similar): {LAZY_VIEW_ADVICE}")
         if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
             _check_real(where, "lr", float(lr.detach()), low=0.0)
     else:

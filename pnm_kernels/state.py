@@ -15,7 +15,7 @@ import torch
 from . import quantization
 from .backends.base import STEP_DTYPE
 from .counters import as_seed, as_step, count_problem, is_one_number, seed_problem
-from .layout import is_dense, lazy_view, same_dense_layout
+from .layout import LAZY_VIEW_ADVICE, is_dense, lazy_view, same_dense_layout
 
 # How often anyone but the optimizers changed which tensors a state holds. One counter for
 # the process: a state entry may be shared between optimizers (opt2.state = opt1.state), and
@@ -230,8 +230,7 @@ def check_resolved(state: dict, p, names) -> None:
         lazy = lazy_view(_local(value)) if isinstance(value, torch.Tensor) else None
         if lazy:
             raise StateValueError(key, f"is an unresolved {lazy} view (from .conj() or "
-                                  "similar), whose memory the step would read and write as "
-                                  "it is (resolve it: `t.resolve_conj().resolve_neg()`)")
+                                  f"similar): {LAZY_VIEW_ADVICE}")
 
 
 def keys_read(names) -> tuple:

@@ -313,13 +313,17 @@ def _check_every_group(optimizer) -> None:
     claims = MemoryClaims()
     for gi, group in enumerate(groups):
         validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
-        num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
         stepping = [p for p in group["params"] if p.grad is not None]
         optimizer._batches.check_states(optimizer, group, stepping,
-                                        optimizer._buffer_names[:num_buffers], claims)
+                                        _buffer_names(optimizer, group), claims)
         if stepping:  # a group that does not step reads no lr
             claims.add(group["lr"], group, LR)
     optimizer._batches.check_memory(optimizer, claims)
+
+
+def _buffer_names(optimizer, group) -> tuple:
+    """The state buffers a step of `group` keeps (AMSGrad's maximum only where it is on)."""
+    return optimizer._buffer_names[:Hyper.from_group(group, optimizer._adaptive).num_buffers]
 
 
 def _make_every_state(optimizer) -> None:
@@ -330,8 +334,7 @@ def _make_every_state(optimizer) -> None:
     IndexError while dynamo builds its guards, the state converted)."""
     places = ParameterPlaces(optimizer)
     for group in optimizer.param_groups:
-        num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
-        names = optimizer._buffer_names[:num_buffers]
+        names = _buffer_names(optimizer, group)
         for p in group["params"]:
             if p.grad is not None:
                 optimizer._batches.state_for(optimizer, p, names, group, places)
@@ -353,9 +356,8 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
         _check_every_group(optimizer)
         _TRACED.add(optimizer)
         _make_every_state(optimizer)
-    num_buffers = Hyper.from_group(group, optimizer._adaptive).num_buffers
     indices = [i for i, p in enumerate(group["params"]) if p.grad is not None]
-    names = optimizer._buffer_names[:num_buffers]
+    names = _buffer_names(optimizer, group)
     out = []
     places = ParameterPlaces(optimizer)
     int8 = group["state_dtype"] == torch.int8
