@@ -115,9 +115,12 @@ class _PositiveNegativeMomentum(Optimizer):
                 # torch casts every floating state tensor to its parameter's dtype: float32
                 # state beside bfloat16 parameters would lose its digits, a seed its value.
                 # Each keeps its own dtype; the step converts it to the group's state_dtype.
+                # The saved tensor itself is kept where it is on the parameter's device, as
+                # torch keeps those it does not cast: every key of an entry then shares
+                # alike (int8 codes beside their scales), none copied twice.
                 for key, value in saved.get(p, {}).items():
                     if key in state and torch.is_tensor(state[key]) and state[key].dtype != value.dtype:
-                        put(state, key, value.to(device=state[key].device, copy=True))
+                        put(state, key, value.to(device=state[key].device))
                 # Step counters as the backends take them; one that is no number is left
                 # for the step to refuse, naming it (a load that raised here would be half
                 # done).

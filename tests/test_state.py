@@ -288,6 +288,37 @@ def test_a_state_dict_loads_with_weights_only(name):
     assert torch.equal(step.cpu(), torch.tensor(2.0))  # (a fast path keeps it on the GPU)
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.int8],
+                         ids=["own-dtype", "bfloat16", "int8"])
+@OVER_OPTIMIZERS
+def test_loading_keeps_the_saved_tensors_themselves_for_every_state_dtype(name, state_dtype):
+    """As torch's optimizers do, load_state_dict makes the saved tensors (on the parameters'
+    device) the optimizer's state, not copies, and every key alike: int8 codes beside their
+    scales, bfloat16 buffers beside their counter. (Codes copied beside shared scales let two
+    optimizers loaded from one live state_dict decode their codes with each other's scales.)
+    Loading one state_dict into two optimizers that step apart takes a deep copy each."""
+    params = make_params([(4, 256), (7,)])
+    opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=state_dtype)
+    train(opt, params, 3)
+    saved = opt.state_dict()
+    twin_params = clone_params(params)
+    twin = OPTIMIZERS[name](twin_params, lr=1e-2, state_dtype=state_dtype)
+    twin.load_state_dict(saved)
+    for i, q in enumerate(twin_params):
+        loaded, kept = saved["state"][i], twin.state[q]
+        assert kept.keys() == loaded.keys()
+        assert all(kept[key] is loaded[key] for key in loaded), f"params[{i}]"
+    if state_dtype == torch.int8:
+        assert any(value.dtype == torch.int8 for value in twin.state[twin_params[0]].values())
+    apart_params = clone_params(params)
+    apart = OPTIMIZERS[name](apart_params, lr=1e-2, state_dtype=state_dtype)
+    apart.load_state_dict(copy.deepcopy(saved))
+    train(opt, params, 2, start=3)  # steps the tensors twin holds too, not apart's
+    train(apart, apart_params, 2, start=3)
+    assert float(twin.state[twin_params[0]]["step"]) == 5
+    assert all(torch.equal(p, q) for p, q in zip(params, apart_params))
+
+
 def _edit_state(how, o, ps):
     """One way of changing the second parameter's state by hand between steps. Returns a
     plain dict put in by hand, which the user may go on editing."""
