@@ -228,9 +228,11 @@ class StepInBackward:
         steps where the loop is seen not to do so: one that zeroes between step() and the
         next pass, or one that summed into the gradients the probe's step left."""
         if self._loop_zeroes is None:
-            kept = self._probe_grads.get(id(p))
+            kept, version = self._probe_grads.get(id(p), (None, None))
             self._probe_grads = {}
-            if kept is not None and kept() is grad:
+            # Written once since the probe's step (autograd's in-place sum) it was not zeroed;
+            # more often, zeroed in place (model.zero_grad(set_to_none=False), p.grad.zero_()).
+            if kept is not None and kept() is grad and grad._version <= version + 1:
                 raise RuntimeError(_UNZEROED.format(
                     "this backward pass added its gradients to those of the step before, as "
                     "no zero_grad() came between"))
@@ -322,6 +324,10 @@ class StepInBackward:
                 "backward as they were made. Skip a batch before its backward pass, measure "
                 "with torch.autograd.grad, or use the ordinary step")
         self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
+        if failed and self._pass_stepped and not self._probing:
+            warnings.warn("step_in_backward: zero_grad() after a backward pass that failed "
+                          "midway: the buckets it stepped before failing stay stepped (the "
+                          "ordinary loop, skipping the batch, would step none)", stacklevel=3)
         if failed:  # its batch skipped: what stepped stays stepped, the next pass steps anew
             self._since_step = set()
             self._pass_stepped = False
@@ -337,6 +343,17 @@ class StepInBackward:
         self._zero_filled = not set_to_none
         if set_to_none:  # no gradient left for the ordinary step to step with zeros later
             self._ever = {}
+
+    def before_load(self) -> None:
+        """optimizer.load_state_dict() is called: refused between a backward pass that stepped
+        inside it and step() (the ordinary step would step the loaded state with the pass's
+        gradients); a failed pass's (recovery from a checkpoint) is not."""
+        if self._pass_stepped and not self._flush_queued and not self._probing:
+            raise RuntimeError(
+                "step_in_backward: load_state_dict() between a backward pass and its step(): "
+                "the ordinary step would step the loaded state with this pass's gradients, "
+                "but they stepped inside backward as they were made. Nothing was loaded; load "
+                "between step() and the next backward pass, or use the ordinary step")
 
     # -- optimizer.step() --------------------------------------------------------------------
 
@@ -364,9 +381,11 @@ class StepInBackward:
         if not self._probing:
             self._stepped_since_zeroing = True
             if changed is not None:  # stepped already: said, not refused mid-training
-                warnings.warn(_CHANGED.format(changed, "the buckets stepped inside backward "
-                                              "used the value before; the new one applies "
-                                              "from the next backward pass"), stacklevel=3)
+                last = self.reduced_steps is not None and self.reduced_steps.pending()
+                warnings.warn(_CHANGED.format(changed, "the buckets stepped inside backward used "
+                              "the value before" + (", DDP's last bucket, stepped now, uses the "
+                              "new one" if last else "; the new one applies from the next "
+                              "backward pass")), stacklevel=3)
             if self._zero_filled:  # what the ordinary step would step with a zero gradient
                 missing = self._zero_filled_missing()
                 for p in missing:
@@ -414,7 +433,8 @@ class StepInBackward:
         self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these
         self._since_step = set()
         self._stepped_since_zeroing = True
-        self._probe_grads = {id(p): weakref.ref(p.grad) for p in params if p.grad is not None}
+        self._probe_grads = {id(p): (weakref.ref(p.grad), p.grad._version)
+                             for p in params if p.grad is not None}
         return True
 
     def _note_hypers(self) -> None:

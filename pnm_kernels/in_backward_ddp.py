@@ -158,6 +158,10 @@ class ReducedSteps:
                 p.grad = grad
         self._stepped.update((id(p), p) for p in stepped)
 
+    def pending(self) -> bool:
+        """DDP's last bucket is reduced but not stepped: step() steps it."""
+        return bool(self._pending)
+
     def before_step(self) -> None:
         """step() after a backward pass: its last bucket steps, then what stepped inside
         backward is set aside from the ordinary step."""

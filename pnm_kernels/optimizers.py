@@ -77,6 +77,8 @@ class _PositiveNegativeMomentum(Optimizer):
         # The hooks run where torch runs them around its loading, here around ours: the
         # pre-hooks first (a user's converter of another optimizer's checkpoint is checked
         # as it returns it), the post-hooks once this optimizer's state is final.
+        if self._in_backward is not None:
+            self._in_backward.before_load()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)

@@ -152,6 +152,33 @@ def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_
     assert not opt.state
 
 
+def test_an_lr_set_between_backward_and_step_after_the_probe_says_ddps_last_bucket_takes_it(
+        one_rank):
+    """DDP's last bucket steps in step(), after the lr set between backward and step; the
+    buckets before it stepped inside backward with the lr before: the warning says both."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
+    opt = AdaPNM(ddp.parameters(), lr=1e-2)
+    buckets = _count_buckets(opt)
+    opt.step_in_backward(ddp=ddp)
+    xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+    for t in range(3):
+        opt.zero_grad()
+        pass_begins = len(buckets)
+        torch.nn.functional.mse_loss(ddp(xs[t]), ys[t]).backward()
+        if t < 2:
+            opt.step()
+    stepped_inside = len(buckets)
+    opt.param_groups[0]["lr"] = 0.5
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['lr'\] was changed between "
+                                         r"backward and step\(\).*used the value before, "
+                                         r"DDP's last bucket, stepped now, uses the new one"):
+        opt.step()
+    assert stepped_inside > pass_begins
+    assert all(inside for _, inside in buckets[pass_begins:stepped_inside])
+    assert [inside for _, inside in buckets[stepped_inside:]] == [False]
+
+
 def test_two_optimizers_of_one_ddp_model_each_step_their_parameters_in_backward(one_rank):
     """DDP takes one communication hook: both optimizers' handles share it, each stepping
     its own parameters in each bucket; removing one's handle leaves its parameters to its

@@ -111,8 +111,9 @@ def test_removed_under_zero_filled_gradients_the_ordinary_step_steps_what_it_wou
 
 def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
     """A backward pass that raises after some buckets stepped (an OOM the loop catches,
-    zero_grad(), the next batch): what stepped stays stepped (§9), and the next passes step
-    inside backward as before, not refused as a second gradient before a step()."""
+    zero_grad(), the next batch): what stepped stays stepped (§9; that zero_grad() says so),
+    and the next passes step inside backward as before, not refused as a second gradient
+    before a step()."""
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.Linear(4, 1))
     opt = PNM(model.parameters(), lr=0.1)
@@ -120,7 +121,11 @@ def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
     gen = torch.Generator().manual_seed(1)
     failed = 0
     for k in range(4):
-        opt.zero_grad()
+        if k == 3:
+            with pytest.warns(UserWarning, match="failed midway: the buckets it stepped"):
+                opt.zero_grad()
+        else:
+            opt.zero_grad()
         hidden = model[0](torch.randn(8, 4, generator=gen))
         if k == 2:  # fails after the last layer's buckets stepped
             hidden = _FailsInBackward.apply(hidden)
@@ -325,6 +330,43 @@ def test_load_state_dict_keeps_the_step_in_backward():
                 opt.step(lambda: 0.0)
         runs.append((model, opt))
     _assert_same(*runs[0], *runs[1])
+
+
+def test_load_state_dict_between_backward_and_step_is_refused_past_the_probe_nothing_loaded():
+    """The ordinary step would step the loaded state with the pass's gradients, which stepped
+    inside backward already: refused, the state as it was; in the probe's iteration (an
+    ordinary step) it loads, and a load after a failed pass (recovering) is not refused (the
+    zero_grad() skipping that batch says that buckets it had stepped stay stepped)."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=0.05)
+    batches = _batches(4)
+    model(batches[0]).pow(2).mean().backward()
+    saved = copy.deepcopy(opt.state_dict())  # no state yet
+    opt.load_state_dict(copy.deepcopy(saved))  # the probe's iteration
+    opt.step()
+    opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    model(batches[1]).pow(2).mean().backward()
+    state = copy.deepcopy(opt.state_dict()["state"])
+    assert any(not torch.equal(saved["state"][0][k], v) for k, v in state[0].items())
+    with pytest.raises(RuntimeError, match=r"load_state_dict\(\) between a backward pass and "
+                                           r"its step\(\).*Nothing was loaded"):
+        opt.load_state_dict(saved)
+    for i, entry in opt.state_dict()["state"].items():
+        assert all(torch.equal(state[i][k], v) for k, v in entry.items())
+    opt.step()
+    opt.zero_grad()
+    x = batches[2]  # the later layers' buckets step, then the failure: the first layer's not
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        (_FailsInBackward.apply(model[0](x)).sum() + model(x).pow(2).mean()).backward()
+    assert float(opt.state[model[4].weight]["step"]) == 3
+    assert float(opt.state[model[0].weight]["step"]) == 2
+    opt.load_state_dict(saved)  # recovering from a checkpoint
+    with pytest.warns(UserWarning, match="failed midway: the buckets it stepped before "
+                                         "failing stay stepped"):
+        opt.zero_grad()
+    assert float(opt.state[model[4].weight]["step"]) == 1
 
 
 def test_params_set_by_hand_as_a_set_are_refused_naming_the_group_nothing_stepped():

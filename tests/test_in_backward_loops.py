@@ -13,7 +13,8 @@ import torch
 from conftest import OPTIMIZERS, assert_same_bits
 from test_in_backward_edits import _FailsInBackward
 
-# Events: Z optimizer.zero_grad(), m model.zero_grad(), B a backward pass, F a backward pass
+# Events: Z optimizer.zero_grad(), m model.zero_grad(), 0 model.zero_grad(set_to_none=False),
+# z every gradient zeroed in place by hand, B a backward pass, F a backward pass
 # that fails after the last layer's gradients were made (caught: the batch skipped),
 # S optimizer.step().
 _STEP_TWICE = r"step\(\) again with no backward pass since the last one and no zero_grad\(\)"
@@ -27,6 +28,8 @@ LOOPS = {
     "zero-backward-step": ("ZBS" * 4, None, None, True),
     "backward-step-zero": ("BSZ" * 4, None, None, True),
     "zeroed-through-the-model": ("mBS" * 4, None, None, True),
+    "zeroed-in-place-through-the-model": ("BS0" * 4, None, None, True),
+    "zeroed-in-place-by-hand": ("BSz" * 4, None, None, True),
     "failed-pass-in-the-probe-skipped": ("ZFZ" + "ZBS" * 3, None, None, True),
     "two-steps-in-the-probe": ("ZBSS" + "ZBS" * 2, None, None, True),
     "two-steps-a-pass": ("ZBSS" * 3, 7, _STEP_TWICE, True),
@@ -53,6 +56,12 @@ def _run(script, in_backward, backend, until=None):
                 opt.zero_grad()
             elif event == "m":
                 model.zero_grad()
+            elif event == "0":
+                model.zero_grad(set_to_none=False)
+            elif event == "z":
+                for p in model.parameters():
+                    if p.grad is not None:  # (stepping inside backward frees them)
+                        p.grad.zero_()
             elif event == "S":
                 opt.step()
             else:
