@@ -1,5 +1,5 @@
-"""Whether a gradient changed between the end of a backward pass and the step (the probe of
-the step inside backward, docs/design.md §9)."""
+"""Whether a gradient changed between the end of a backward pass and the step, or since the
+probe's step (the probe of the step inside backward, docs/design.md §9)."""
 import torch
 
 from .params import local
@@ -26,3 +26,17 @@ def same(a, b) -> bool:
     if a is None:  # nothing was seen to compare with
         return True
     return (a[0] is None or a[0] == b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+
+
+def added_to_the_probes(kept: dict, p, grad) -> bool:
+    """At the first gradient (p's) of the first pass after the probe's step: does the pass add
+    to the gradients that step left (`kept`: id -> its parameter, gradient, version)? Another
+    parameter's, which this pass has not reached yet, is still the tensor left, unwritten
+    since (zeroing in place writes it); with none other, p's own was written once since, by
+    autograd's in-place sum (a hook of the user's may have written it again)."""
+    others = [(q(), g(), version) for key, (q, g, version) in kept.items() if key != id(p)]
+    others = [(q, g, version) for q, g, version in others if q is not None and g is not None]
+    if others:
+        return any(q.grad is g and g._version == version for q, g, version in others)
+    _, g, version = kept.get(id(p), (None, lambda: None, 0))
+    return g() is grad and grad._version <= version + 1

@@ -22,7 +22,7 @@ import torch
 
 from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, managed_by,
                               refuse_ddp)
-from .fingerprints import fingerprint, same
+from .fingerprints import added_to_the_probes, fingerprint, same
 from .hyper import signature
 from .params import is_param_list, local
 
@@ -228,11 +228,8 @@ class StepInBackward:
         steps where the loop is seen not to do so: one that zeroes between step() and the
         next pass, or one that summed into the gradients the probe's step left."""
         if self._loop_zeroes is None:
-            kept, version = self._probe_grads.get(id(p), (None, None))
-            self._probe_grads = {}
-            # Written once since the probe's step (autograd's in-place sum) it was not zeroed;
-            # more often, zeroed in place (model.zero_grad(set_to_none=False), p.grad.zero_()).
-            if kept is not None and kept() is grad and grad._version <= version + 1:
+            kept, self._probe_grads = self._probe_grads, {}
+            if added_to_the_probes(kept, p, grad):
                 raise RuntimeError(_UNZEROED.format(
                     "this backward pass added its gradients to those of the step before, as "
                     "no zero_grad() came between"))
@@ -380,14 +377,15 @@ class StepInBackward:
         changed = self._hyper_changed_since_backward()
         if not self._probing:
             self._stepped_since_zeroing = True
+            # what the ordinary step would step with a zero gradient
+            missing = self._zero_filled_missing() if self._zero_filled else []
             if changed is not None:  # stepped already: said, not refused mid-training
-                last = self.reduced_steps is not None and self.reduced_steps.pending()
+                now = missing or (self.reduced_steps is not None and self.reduced_steps.pending())
                 warnings.warn(_CHANGED.format(changed, "the buckets stepped inside backward used "
-                              "the value before" + (", DDP's last bucket, stepped now, uses the "
-                              "new one" if last else "; the new one applies from the next "
-                              "backward pass")), stacklevel=3)
-            if self._zero_filled:  # what the ordinary step would step with a zero gradient
-                missing = self._zero_filled_missing()
+                              "the value before" + (", what steps now (DDP's last bucket, zero "
+                              "gradients kept) the new one" if now else "; the new one applies "
+                              "from the next backward pass")), stacklevel=3)
+            if missing:
                 for p in missing:
                     p.grad = torch.zeros_like(p)
                 self._step_and_free(missing)
@@ -433,7 +431,7 @@ class StepInBackward:
         self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these
         self._since_step = set()
         self._stepped_since_zeroing = True
-        self._probe_grads = {id(p): (weakref.ref(p.grad), p.grad._version)
+        self._probe_grads = {id(p): (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
                              for p in params if p.grad is not None}
         return True
 

@@ -114,3 +114,32 @@ def test_fsdp2_gradient_clipping_is_refused_in_backward_before_anything_moves(on
         opt.step()
     assert all(torch.equal(p.to_local(), b) for p, b in zip(model.parameters(), before))
     assert not opt.state
+
+
+def _one_rank_fsdp2_zeroing_after_step(in_backward, zero_in_place):
+    """backward, step(), then the gradients zeroed in place through the model, or never."""
+    model, (xs, ys) = _one_rank_model()
+    opt = OPTIMIZERS["AdaPNM"](model.parameters(), lr=1e-2)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=2**-10)
+    for t in range(STEPS):
+        torch.nn.functional.mse_loss(model(xs[t]), ys[t]).backward()
+        opt.step()
+        if zero_in_place:
+            model.zero_grad(set_to_none=False)
+    return model, opt
+
+
+@needs_one_rank_fsdp2
+def test_fsdp2_gradients_zeroed_in_place_step_as_the_ordinary_loop_never_zeroed_refused(one_rank):
+    """FSDP2 sums into a gradient's local tensor, which bumps no version of the DTensor's,
+    where zero_() does: a loop zeroing through the model steps as the ordinary one, one that
+    never zeroes is refused at the first pass after the probe."""
+    model, opt = _one_rank_fsdp2_zeroing_after_step(True, True)
+    ordinary, ordinary_opt = _one_rank_fsdp2_zeroing_after_step(False, True)
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        assert torch.equal(p.to_local(), q.to_local())
+        assert torch.equal(opt.state[p]["exp_avg"].to_local(),
+                           ordinary_opt.state[q]["exp_avg"].to_local())
+    with pytest.raises(RuntimeError, match="added its gradients to those of the step before"):
+        _one_rank_fsdp2_zeroing_after_step(True, False)

@@ -93,3 +93,58 @@ def test_a_loop_steps_as_the_ordinary_one_or_is_refused_where_it_cannot(loop, ba
     if before_any_change:  # the ordinary loop's parameters and state before that event
         ordinary, ordinary_opt, _ = _run(script, False, backend, until=refused_at)
         assert_same_bits(ordinary_opt, list(ordinary.parameters()), opt, list(model.parameters()))
+
+
+def _clamp(p):
+    p.grad.clamp_(-0.05, 0.05)
+
+
+class _Branching(torch.nn.Module):
+    """A head the loss reaches from the second batch on (its first gradient comes after the
+    probe's step), gradients clamped in place by a post-accumulate hook of the user's."""
+
+    def __init__(self, clamped):
+        super().__init__()
+        self.a, self.b = torch.nn.Linear(4, 8), torch.nn.Linear(8, 2)
+        for p in self.parameters() if clamped else ():
+            p.register_post_accumulate_grad_hook(_clamp)
+
+    def forward(self, x, t, branch):
+        hidden = torch.tanh(self.a(x))
+        return self.b(hidden) if t >= 1 or not branch else hidden[:, :2]
+
+
+# How the first pass after the probe comes: a gradient of the user's hook written again,
+# replaced out of place (create_graph), or first made for a layer the probe did not see.
+PASS_AFTER_THE_PROBE = {"hook-writes-gradients": dict(clamped=True),
+                        "create-graph": dict(create_graph=True),
+                        "branch-first-reached": dict(branch=True)}
+
+
+def _branching_loop(in_backward, zero_in_place, clamped=False, create_graph=False,
+                    branch=False):
+    torch.manual_seed(0)
+    model = _Branching(clamped)
+    opt = OPTIMIZERS["AdaPNM"](model.parameters(), lr=1e-2, backend="fused")
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)
+    for t in range(4):
+        x = torch.randn(5, 4, generator=torch.Generator().manual_seed(t))
+        model(x, t, branch).square().mean().backward(create_graph=create_graph)
+        opt.step()
+        if zero_in_place:
+            model.zero_grad(set_to_none=False)
+    return model, opt
+
+
+@pytest.mark.filterwarnings("ignore:Using backward\\(\\) with create_graph=True")
+@pytest.mark.parametrize("how", PASS_AFTER_THE_PROBE)
+def test_the_first_pass_after_the_probe_tells_zeroed_in_place_from_never_zeroed(how):
+    """Never zeroed: refused at the pass's first gradient, before it steps anything, whatever
+    wrote or replaced that gradient; zeroed in place through the model: the ordinary loop."""
+    kwargs = PASS_AFTER_THE_PROBE[how]
+    with pytest.raises(RuntimeError, match=_ADDED):
+        _branching_loop(True, False, **kwargs)
+    model, opt = _branching_loop(True, True, **kwargs)
+    ordinary, ordinary_opt = _branching_loop(False, True, **kwargs)
+    assert_same_bits(ordinary_opt, list(ordinary.parameters()), opt, list(model.parameters()))
