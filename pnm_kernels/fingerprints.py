@@ -38,5 +38,7 @@ def added_to_the_probes(kept: dict, p, grad) -> bool:
     others = [(q, g, version) for q, g, version in others if q is not None and g is not None]
     if others:
         return any(q.grad is g and g._version == version for q, g, version in others)
-    _, g, version = kept.get(id(p), (None, lambda: None, 0))
+    if id(p) not in kept:
+        return False
+    _, g, version = kept[id(p)]
     return g() is grad and grad._version <= version + 1

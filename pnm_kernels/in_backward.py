@@ -93,9 +93,8 @@ class StepInBackward:
         optimizer._in_backward = self
 
     def watch(self, params) -> None:
-        """Hooks on these parameters (those requiring gradients: autograd hooks no other; DDP's
-        step in its communication hook); optimizer.add_param_group calls it for the parameters
-        it adds."""
+        """Hooks on these parameters (those requiring gradients; DDP's step in its
+        communication hook): optimizer.add_param_group calls it for those it adds."""
         new = [p for p in params if not self.watches(p)]  # moved between groups: once
         self._watched.update((id(p), weakref.ref(p)) for p in new)
         self._hooks += [p.register_post_accumulate_grad_hook(self._ready)
@@ -309,10 +308,16 @@ class StepInBackward:
         self._pass_stepped |= bool(stepped)
         return stepped
 
+    @property
+    def _awaiting_step(self) -> bool:
+        """A backward pass past the probe stepped inside itself and ended (a failed one's
+        end never came): it awaits the step() the ordinary loop calls next."""
+        return self._pass_stepped and not self._flush_queued and not self._probing
+
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
         failed = self._flush_queued  # a pass whose end never came: it raised (an OOM, say)
-        if self._pass_stepped and not failed and not self._probing:
+        if self._awaiting_step:
             # Said, not prevented: nothing showed that this pass would not step.
             raise RuntimeError(
                 "step_in_backward: zero_grad() after a backward pass that no step() followed "
@@ -345,7 +350,7 @@ class StepInBackward:
         """optimizer.load_state_dict() is called: refused between a backward pass that stepped
         inside it and step() (the ordinary step would step the loaded state with the pass's
         gradients); a failed pass's (recovery from a checkpoint) is not."""
-        if self._pass_stepped and not self._flush_queued and not self._probing:
+        if self._awaiting_step:
             raise RuntimeError(
                 "step_in_backward: load_state_dict() between a backward pass and its step(): "
                 "the ordinary step would step the loaded state with this pass's gradients, "
@@ -472,7 +477,6 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
           "from each nested backward pass: checkpoint with use_reentrant=False")
 
-
 _AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
 
 # A backward pass after step() whose gradients the ordinary loop would add to the last ones.
@@ -480,7 +484,6 @@ _UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but th
              "pass's gradients stepped inside backward and were freed. Call "
              "optimizer.zero_grad() between step() and the next backward pass (a pass that "
              "only measures something: torch.autograd.grad, which fills no .grad)")
-
 
 # A hyper-parameter set between backward and step(): the ordinary step would use it now.
 _CHANGED = ("step_in_backward: {} was changed between backward and step(): inside backward "

@@ -41,6 +41,6 @@ def lazy_view(t: torch.Tensor):
     return "negative" if t.is_neg() else None
 
 
-LAZY_VIEW_ADVICE = ("the step reads and writes memory, so resolve it first "
-                    "(`t.data = t.data.resolve_conj().resolve_neg()`)")
+LAZY_VIEW_ADVICE = ("the kernels work on its memory, not on the view's values, so resolve "
+                    "it first (`t.data = t.data.resolve_conj().resolve_neg()`)")
 
