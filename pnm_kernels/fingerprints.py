@@ -28,17 +28,28 @@ def same(a, b) -> bool:
     return (a[0] is None or a[0] == b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
 
 
-def added_to_the_probes(kept: dict, p, grad) -> bool:
+def added_to_the_probes(kept: dict, p, grad) -> str | None:
     """At the first gradient (p's) of the first pass after the probe's step: does the pass add
-    to the gradients that step left (`kept`: id -> its parameter, gradient, version)? Another
-    parameter's, which this pass has not reached yet, is still the tensor left, unwritten
-    since (zeroing in place writes it); with none other, p's own was written once since, by
-    autograd's in-place sum (a hook of the user's may have written it again)."""
+    to the gradients that step left (`kept`: id -> its parameter, gradient, version)? Says how,
+    or None. Another parameter's, which this pass has not reached yet, is still the tensor
+    left, unwritten since (zeroing in place writes it); with none other, p's own was written
+    once since, by autograd's in-place sum (a hook of the user's may have written it again)."""
     others = [(q(), g(), version) for key, (q, g, version) in kept.items() if key != id(p)]
     others = [(q, g, version) for q, g, version in others if q is not None and g is not None]
     if others:
-        return any(q.grad is g and g._version == version for q, g, version in others)
+        unwritten = [g for q, g, version in others if q.grad is g and g._version == version]
+        if not unwritten:
+            return None
+        if not any(bool(local(g).any()) for g in unwritten):  # read on the way to refusing
+            return ("the gradients the step before left were zeroed where no version counts "
+                    "(`p.grad.data.zero_()`: zero with `p.grad.zero_()`), so this pass looks "
+                    "like one adding its gradients to them")
+        return _ADDED
     if id(p) not in kept:
-        return False
+        return None
     _, g, version = kept[id(p)]
-    return g() is grad and grad._version <= version + 1
+    return _ADDED if g() is grad and grad._version <= version + 1 else None
+
+
+_ADDED = ("this backward pass added its gradients to those of the step before, as no "
+          "zero_grad() came between")

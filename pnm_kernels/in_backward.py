@@ -228,10 +228,9 @@ class StepInBackward:
         next pass, or one that summed into the gradients the probe's step left."""
         if self._loop_zeroes is None:
             kept, self._probe_grads = self._probe_grads, {}
-            if added_to_the_probes(kept, p, grad):
-                raise RuntimeError(_UNZEROED.format(
-                    "this backward pass added its gradients to those of the step before, as "
-                    "no zero_grad() came between"))
+            added = added_to_the_probes(kept, p, grad)
+            if added:
+                raise RuntimeError(_UNZEROED.format(added))
             self._loop_zeroes = False  # zeroed another way (model.zero_grad()): not seen
         elif self._loop_zeroes:
             raise RuntimeError(_UNZEROED.format(

@@ -14,12 +14,14 @@ from conftest import OPTIMIZERS, assert_same_bits
 from test_in_backward_edits import _FailsInBackward
 
 # Events: Z optimizer.zero_grad(), m model.zero_grad(), 0 model.zero_grad(set_to_none=False),
-# z every gradient zeroed in place by hand, B a backward pass, F a backward pass
+# z every gradient zeroed in place by hand, d zeroed through .data (which counts no version),
+# B a backward pass, F a backward pass
 # that fails after the last layer's gradients were made (caught: the batch skipped),
 # S optimizer.step().
 _STEP_TWICE = r"step\(\) again with no backward pass since the last one and no zero_grad\(\)"
 _ADDED = r"this backward pass added its gradients to those of the step before"
 _AFTER_STEP = r"a backward pass came after step\(\) before zero_grad\(\)"
+_UNCOUNTED = r"zeroed where no version counts \(`p.grad.data.zero_\(\)`"
 _SKIPPED = r"zero_grad\(\) after a backward pass that no step\(\) followed \(a step skipped\)"
 
 # (script, where the step inside backward is refused (None: nowhere), what it says, whether
@@ -36,6 +38,7 @@ LOOPS = {
     "pass-after-step-in-the-probe": ("ZBSBZ" * 3, 3, _ADDED, True),
     "pass-after-step-later": ("ZBS" * 2 + "ZBSBZ", 9, _AFTER_STEP, True),
     "never-zeroed": ("BS" * 4, 2, _ADDED, True),
+    "zeroed-through-data": ("BSd" * 4, 3, _UNCOUNTED, True),
     "step-skipped": ("ZBS" * 2 + "ZBZS", 8, _SKIPPED, False),
 }
 
@@ -58,10 +61,10 @@ def _run(script, in_backward, backend, until=None):
                 model.zero_grad()
             elif event == "0":
                 model.zero_grad(set_to_none=False)
-            elif event == "z":
+            elif event in "zd":
                 for p in model.parameters():
                     if p.grad is not None:  # (stepping inside backward frees them)
-                        p.grad.zero_()
+                        (p.grad if event == "z" else p.grad.data).zero_()
             elif event == "S":
                 opt.step()
             else:
