@@ -1,5 +1,6 @@
-"""Whether a gradient changed between the end of a backward pass and the step, or since the
-probe's step (the probe of the step inside backward, docs/design.md §9)."""
+"""Whether a gradient or parameter changed between the end of a backward pass and the step,
+or a gradient since the probe's step (the probe of the step inside backward, docs/design.md
+§9), and the probe's refusals of such changes."""
 import torch
 
 from .params import local
@@ -26,6 +27,32 @@ def same(a, b) -> bool:
     if a is None:  # nothing was seen to compare with
         return True
     return (a[0] is None or a[0] == b[0]) and (a[1] is None or torch.equal(a[1], b[1]))
+
+
+def refuse_changed_at_the_probe(seen: dict, param_bits: dict) -> None:
+    """The probe's step: refused where a parameter or its gradient changed between the end of
+    backward and the step (`seen`: id -> the parameter, how many passes reached it, its
+    gradient then, that gradient's fingerprint; `param_bits`: id -> the parameter's bits),
+    which a step inside backward, coming before, could not follow."""
+    for p, _, grad, seen_bits in seen.values():
+        if not same((None, param_bits.get(id(p))), fingerprint(p.detach())):
+            raise RuntimeError(
+                "step_in_backward: a parameter (of shape "
+                f"{tuple(p.shape)}) was changed in place between backward and step "
+                "(weight clipping, `p.clamp_()`, a manual decay), which the ordinary "
+                "step would step from but a step inside backward came before: edit "
+                "parameters after optimizer.step() (before the next backward), or use "
+                "the ordinary step")
+        now = p.grad
+        if (now is None or (grad is not None and now is not grad)
+                or not same(seen_bits, fingerprint(now))):
+            raise RuntimeError(
+                "step_in_backward: a gradient (of a parameter of shape "
+                f"{tuple(p.shape)}) was changed between backward and step (gradient "
+                "clipping, unscaling or editing by hand; or the model is DDP's, and "
+                "step_in_backward(ddp=model) was not given it), which a step inside "
+                "backward cannot do: it steps each gradient as soon as it is made. Use "
+                "the ordinary step")
 
 
 def added_to_the_probes(kept: dict, p, grad) -> str | None:

@@ -22,7 +22,7 @@ import torch
 
 from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, managed_by,
                               refuse_ddp)
-from .fingerprints import added_to_the_probes, fingerprint, same
+from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
 from .hyper import signature
 from .params import is_param_list, local
 
@@ -79,6 +79,7 @@ class StepInBackward:
         # is a loop that does not zero; None: not learnt yet.
         self._stepped_since_zeroing = False
         self._freed_since_zeroing = False
+        self._loaded_after_failure = False  # see before_load
         self._pass_stepped = False  # a bucket stepped inside backward since the last step()
         self._loop_zeroes: bool | None = None
         self._probe_grads: dict = {}
@@ -337,6 +338,7 @@ class StepInBackward:
         elif self._stepped_since_zeroing and self._loop_zeroes is None:
             self._loop_zeroes = True
         self._stepped_since_zeroing = self._freed_since_zeroing = False
+        self._loaded_after_failure = False
         self._probe_grads = {}
         self._hypers_at_backward = None
         if self.reduced_steps is not None:
@@ -349,6 +351,9 @@ class StepInBackward:
         """optimizer.load_state_dict() is called: refused between a backward pass that stepped
         inside it and step() (the ordinary step would step the loaded state with the pass's
         gradients); a failed pass's (recovery from a checkpoint) is not."""
+        # A failed pass's buckets stepped with the state before: the ordinary step would step
+        # the loaded one with their gradients, unless zero_grad() skips the batch first.
+        self._loaded_after_failure |= self._pass_stepped and self._flush_queued
         if self._awaiting_step:
             raise RuntimeError(
                 "step_in_backward: load_state_dict() between a backward pass and its step(): "
@@ -371,6 +376,13 @@ class StepInBackward:
                 "step_in_backward does not work with torch.amp.GradScaler: an inf found in one "
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
+        if self._loaded_after_failure and not self._probing:
+            raise RuntimeError(
+                "step_in_backward: step() after a backward pass that failed midway and a "
+                "load_state_dict(), with no zero_grad() between: the ordinary step would step "
+                "the loaded state with all that pass's gradients, but the buckets it stepped "
+                "before failing used theirs already. Call zero_grad() after a failed pass "
+                "(skipping its batch)")
         self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
         if not self._probing and not self._pass_stepped and self._freed_since_zeroing:
             raise RuntimeError(
@@ -407,29 +419,12 @@ class StepInBackward:
             return True  # state initialisation): the probe is the next one
         if changed is not None:
             raise RuntimeError(_CHANGED.format(changed, "nothing was stepped"))
-        for p, passes, grad, seen_bits in seen.values():
+        for p, passes, _, _ in seen.values():
             if passes > 1:
                 raise RuntimeError(_TWICE.format(
                     f"{passes} backward passes reached a parameter of shape {tuple(p.shape)} "
                     "before this step"))
-            if not same((None, param_bits.get(id(p))), fingerprint(p.detach())):
-                raise RuntimeError(
-                    "step_in_backward: a parameter (of shape "
-                    f"{tuple(p.shape)}) was changed in place between backward and step "
-                    "(weight clipping, `p.clamp_()`, a manual decay), which the ordinary "
-                    "step would step from but a step inside backward came before: edit "
-                    "parameters after optimizer.step() (before the next backward), or use "
-                    "the ordinary step")
-            now = p.grad
-            if (now is None or (grad is not None and now is not grad)
-                    or not same(seen_bits, fingerprint(now))):
-                raise RuntimeError(
-                    "step_in_backward: a gradient (of a parameter of shape "
-                    f"{tuple(p.shape)}) was changed between backward and step (gradient "
-                    "clipping, unscaling or editing by hand; or the model is DDP's, and "
-                    "step_in_backward(ddp=model) was not given it), which a step inside "
-                    "backward cannot do: it steps each gradient as soon as it is made. Use "
-                    "the ordinary step")
+        refuse_changed_at_the_probe(seen, param_bits)
         self._probing = False
         params = [p for group in self._optimizer.param_groups for p in group["params"]]
         self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these

@@ -369,6 +369,38 @@ def test_load_state_dict_between_backward_and_step_is_refused_past_the_probe_not
     assert float(opt.state[model[4].weight]["step"]) == 1
 
 
+def test_step_after_a_failed_pass_and_a_load_with_no_zero_grad_between_is_refused():
+    """The ordinary step would step the loaded state with all the failed pass's gradients, the
+    buckets it stepped before failing used theirs (and freed them) already: refused, nothing
+    stepped; zero_grad() (the batch skipped) lets training go on."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=0.05)
+    batches = _batches(4)
+    for x in batches[:2]:  # the probe, then a pass stepping inside backward
+        model(x).pow(2).mean().backward()
+        opt.step()
+        opt.zero_grad()
+    saved = copy.deepcopy(opt.state_dict())
+    x = batches[2]  # the later layers' buckets step, then the failure: the first layer's not
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        (_FailsInBackward.apply(model[0](x)).sum() + model(x).pow(2).mean()).backward()
+    opt.load_state_dict(saved)
+    params = [p.detach().clone() for p in model.parameters()]
+    state = copy.deepcopy(opt.state_dict()["state"])
+    with pytest.raises(RuntimeError, match=r"step\(\) after a backward pass that failed midway "
+                                           r"and a load_state_dict\(\), with no zero_grad"):
+        opt.step()
+    assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+    for i, entry in opt.state_dict()["state"].items():
+        assert all(torch.equal(state[i][k], v) for k, v in entry.items())
+    with pytest.warns(UserWarning, match="failed midway"):
+        opt.zero_grad()
+    model(batches[3]).pow(2).mean().backward()
+    opt.step()
+    assert float(opt.state[model[0].weight]["step"]) == 3
+
+
 def test_params_set_by_hand_as_a_set_are_refused_naming_the_group_nothing_stepped():
     """Inside backward no bucket of such a group steps (its gradients stay); step() then
     refuses the group, naming it, as the ordinary step does."""
