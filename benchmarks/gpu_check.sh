@@ -59,7 +59,7 @@ tail -4 "$WORK/tests.log"
 
 SETS_F32=tiny2000,small2000,resnet50,transformer,gpt2-124m,llama-1b,flat1M,flat16M,flat64M,flat256M,flat1024M
 stage bench_fp32 150 python3 benchmarks/bench_step.py --device cuda --sets "$SETS_F32" --rounds 9 \
-  --no-compiled --out "$WORK"
+  --out "$WORK"
 # The fp32 table measures the shipped launch shapes. The fused step's chunk sizes side by side
 # in one process (the shipped 4,096 for fp32 and 16,384 for 16-bit types were chosen on an
 # H200: docs/performance.md): on another card (an H100) this says whether they hold there too.
@@ -73,12 +73,12 @@ stage chunk_sweep 60 python3 benchmarks/experiments/chunk_sweep.py --sets flat1M
 stage launch_params 30 bash -c 'nvcc -O2 -std=c++17 -arch=sm_90 benchmarks/experiments/launch_params.cu \
   -o "$1/launch_params" && "$1/launch_params"' _ "$WORK"
 stage bench_bf16 70 python3 benchmarks/bench_step.py --device cuda --dtype bfloat16 \
-  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 --no-compiled \
+  --sets small2000,transformer,flat64M,flat256M,flat1024M --rounds 9 \
   --out "$WORK"
 # The fp64 kernels (fused only). 40 s is too little: the tables get written, but the process
 # is still ending when the limit strikes.
 stage bench_fp64 60 python3 benchmarks/bench_step.py --device cuda --dtype float64 \
-  --sets small2000,transformer,flat64M,flat256M --rounds 9 --no-compiled --out "$WORK"
+  --sets small2000,transformer,flat64M,flat256M --rounds 9 --out "$WORK"
 
 # bfloat16 state (csrc/state_block.h): its CUDA kernel's time and bytes beside float32 state's
 # and torch's fused optimizers.
@@ -134,8 +134,8 @@ stage bench_compiled 120 python3 benchmarks/bench_step.py --device cuda --sets t
 stage gpt_fsdp2 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3
 stage gpt_fsdp2_bf16_state 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
   --state-dtype bfloat16
-# Issue 34's measurement: peak memory and bytes per parameter beyond the activations, the
-# ordinary fused step against bf16 parameters + int8 state + the step inside backward.
+# The step inside backward's memory: peak memory and bytes per parameter beyond the
+# activations, the ordinary fused step against bf16 parameters + int8 state + that step.
 stage gpt_in_backward 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \
   --optimizers "AdamW[fused],PNM,AdaPNM" --no-fsdp
 stage gpt_in_backward_int8 100 python3 benchmarks/examples/gpt_fsdp2.py --steps 20 --warmup 3 \

@@ -219,7 +219,9 @@ def test_noisy_labels_example_runs(tmp_path):
     assert (tmp_path / "noisy_labels.png").read_bytes()[:4] == b"\x89PNG"
     with_state = noisy_labels.main(["--seeds", "1", "--epochs", "1", "--optimizers", "PNM",
                                     "--state-dtypes", "none,bfloat16", "--out", str(tmp_path)])
-    assert set(with_state) == {"PNM"}  # the bfloat16-state run is in the printed table
+    assert set(with_state) == {"PNM"}  # the bfloat16-state run is in the table
+    table = (tmp_path / "noisy_labels.md").read_text()
+    assert "| PNM (b0=3.0) | mean |" in table and "| PNM (b0=3.0), bfloat16 state | mean |" in table
 
 
 @pytest.mark.skipif(not torch.cuda.is_available() and not hasattr(torch.cpu.Stream, "record_event"),

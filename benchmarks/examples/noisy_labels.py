@@ -93,7 +93,9 @@ def main(argv=None):
     parser.add_argument("--optimizers", default="SGD,SGD-slow,PNM")
     parser.add_argument("--state-dtypes", default="none",
                         help="comma-separated state dtypes PNM runs with: none, float32, bfloat16")
-    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "results"))
+    parser.add_argument("--out", default=os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "out"),
+                        help="where noisy_labels.{md,png} go (benchmarks/out/, ignored by git; "
+                             "the kept ones: --out benchmarks/results)")
     args = parser.parse_args(argv)
     device = "cuda" if torch.cuda.is_available() else "cpu"
     # (optimizer, state dtype) pairs: PNM once per --state-dtypes entry
@@ -109,9 +111,10 @@ def main(argv=None):
             sys.stderr.write(f"\r[{'#' * (20 * done // total):<20}] {done}/{total} runs "
                              f"{time.time() - start:4.0f}s")
     sys.stderr.write("\n")
-    print(f"digits, {args.noise:.0%} symmetric label noise, {args.epochs} epochs, device {device}")
-    print("| optimizer | seed | final test acc | best test acc | noisy labels memorised |")
-    print("|---|---|---|---|---|")
+    lines = [f"digits, {args.noise:.0%} symmetric label noise, {args.epochs} epochs, device {device}",
+             "",
+             "| optimizer | seed | final test acc | best test acc | noisy labels memorised |",
+             "|---|---|---|---|---|"]
     for name, sd in runs:
         label = {"SGD": "SGD", "SGD-slow": f"SGD, lr/{noise_norm(args.b0):.2f}",
                  "PNM": f"PNM (b0={args.b0})"}[name]
@@ -119,12 +122,16 @@ def main(argv=None):
             label += f", {str(sd).replace('torch.', '')} state"
         curves = results[(name, sd)]
         for seed, c in enumerate(curves):
-            print(f"| {label} | {seed} | {c['test'][-1]:.3f} | {max(c['test']):.3f} | {c['memorised'][-1]:.3f} |")
+            lines.append(f"| {label} | {seed} | {c['test'][-1]:.3f} | {max(c['test']):.3f} | {c['memorised'][-1]:.3f} |")
         mean = lambda k: sum(c[k][-1] for c in curves) / len(curves)  # noqa: E731
-        print(f"| {label} | mean | {mean('test'):.3f} | | {mean('memorised'):.3f} |")
+        lines.append(f"| {label} | mean | {mean('test'):.3f} | | {mean('memorised'):.3f} |")
+    print("\n".join(lines))
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "noisy_labels.md"), "w") as f:
+        f.write("\n".join(lines) + "\n")
     results = {name: results[(name, None)] for name, sd in runs if sd is None}
     plot(results, args, os.path.join(args.out, "noisy_labels.png"))
-    print(f"wrote {args.out}/noisy_labels.png")
+    print(f"wrote {args.out}/noisy_labels.md and noisy_labels.png")
     return results
 
 
