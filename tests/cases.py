@@ -1,9 +1,14 @@
 """The table of cases the tests iterate: optimizer x backend path x dtype x state mode, in
 the spirit of torch's OptimizerInfo (torch/testing/_internal/common_optimizers.py).
 
-One row per backend path in PATHS, one per optimizer in OPTIMIZERS, one per state mode in
-MODES: a new backend or a new state mode is one new row, and every test that iterates the
-paths it belongs to (FAST_PATHS, KERNEL_PATHS, ...) runs on it. A test asks for its cases
+One row per backend path in PATHS, one per optimizer in OPTIMIZERS: a new backend path is one
+row, and every test that iterates the paths it belongs to (FAST_PATHS, KERNEL_PATHS, ...)
+runs on it. The state modes (state in a dtype of its own, bf16 parameters rounded
+stochastically) are STATE_MODES, each with the parameter dtypes it applies to, kept by the
+paths in STATE_DTYPE_PATHS: a new mode is one entry there, and test_state_dtype.py's
+comparison with the reference (every path, optimizer, parameter dtype and variant) and its
+check of the CUDA kernels' bits run on it. int8 state (INT8_PATHS) has tests of its own,
+test_int8_state.py, as its codes and scales are compared otherwise. A test asks for its cases
 with `parametrize(paths, ...)`, which gives the pytest parametrisation, the backend path
 going through conftest's `path` fixture (which skips what this machine cannot run and sets
 PNM_KERNELS_EMULATE_CUDA for "emulated").
@@ -46,10 +51,6 @@ PATHS = (
 PATH = {p.name: p for p in PATHS}
 
 OPTIMIZERS = {"PNM": PNM, "AdaPNM": AdaPNM}
-
-# State modes (how the optimizer keeps its state buffers). None: as it does today, one
-# buffer per moment in the parameter's dtype. A new mode is a new entry.
-MODES = (None,)
 
 # state_dtype modes (docs/design.md §7): the state in a dtype of its own, and the paths that
 # keep it. A path that learns to keep such state is one entry here.
@@ -101,7 +102,7 @@ class Case:
         return "-".join(parts)
 
 
-def cases(paths, optimizers=tuple(OPTIMIZERS), dtypes=(None,), modes=MODES):
+def cases(paths, optimizers=tuple(OPTIMIZERS), dtypes=(None,), modes=(None,)):
     """The cases over `paths` (names in PATH), `optimizers` (names in OPTIMIZERS), `dtypes`
     and `modes`, path by path."""
     unknown = [p for p in paths if p not in PATH]
@@ -129,7 +130,7 @@ def _availability_marks(path):
     return []
 
 
-def parametrize(paths, optimizers=tuple(OPTIMIZERS), dtypes=(None,), modes=MODES,
+def parametrize(paths, optimizers=tuple(OPTIMIZERS), dtypes=(None,), modes=(None,),
                 args=("name", "path")):
     """The pytest parametrisation over cases(paths, optimizers, dtypes, modes), giving the
     test the arguments `args` of each case: "name" (the optimizer's name, a key of

@@ -1,15 +1,20 @@
-"""Every place where a test reaches into pnm_kernels' internals, as small named helpers.
+"""Every place where a test reaches into an optimizer's or a backend's internals, as small
+named helpers.
 
 The tests observe a few things no public API shows (whether a step planned or repeated the
 last one, a kernel refusing a step, an install without the compiled extension, a CUDA graph
-capture simulated on the CPU, the Triton launch tables). They do it only through this
-module, so that a rewrite of the package's internals updates this one file; each helper
-says what it observes and which internal it touches.
+capture simulated on the CPU, the Triton launch tables, the buckets stepped inside
+backward). They do it only through this module, so that a rewrite of the package's internals
+updates this one file; each helper says what it observes and which internal it touches.
+(Tests of a module's own functions, such as quantization's, rounding's, aliasing's or the
+ops in _ops, import that module: its functions are what they specify.)
 
 No import of conftest here: tests/_triton_compile_check.py imports this module in a process
 that must not set TRITON_INTERPRET. pnm_kernels.backends.triton_kernels is imported lazily,
 where triton is needed.
 """
+import torch
+
 import pnm_kernels.backends as backends
 from pnm_kernels import aliasing, batching, plan, traced
 from pnm_kernels.backends import base, fused
@@ -61,6 +66,33 @@ def count_batch_builds(opt):
     build = cache.build
     cache.build = lambda *a, **k: builds.append(1) or build(*a, **k)
     return builds
+
+
+def state_buffer_names(opt):
+    """The names of the state buffers `opt` keeps for each parameter, in the kernels' order
+    (PNM's two momenta; AdaPNM's adds the second moment and its maximum): `opt._buffer_names`."""
+    return opt._buffer_names
+
+
+# --- the step inside backward (pnm_kernels/in_backward.py) ----------------------------------
+
+def step_in_backward_handle(opt):
+    """The handle `opt` steps inside backward with (None: the ordinary step): the optimizer's
+    `_in_backward`."""
+    return opt._in_backward
+
+
+def record_bucket_steps(opt):
+    """A list that gets, for each bucket `opt` steps by itself, (how many parameters, inside a
+    backward pass?). Wraps `opt._step_only` on the instance."""
+    calls = []
+    step_only = opt._step_only
+
+    def counted(params, **kwargs):
+        calls.append((len(params), torch._C._current_graph_task_id() != -1))
+        step_only(params, **kwargs)
+    opt._step_only = counted
+    return calls
 
 
 # --- the backends (pnm_kernels/backends/) ---------------------------------------------
@@ -128,9 +160,9 @@ def unchecked_scaling(monkeypatch):
                                  getattr(opt, "found_inf", None))))
 
 
-def resolve_auto_backend(device, dtype):
-    """The backend "auto" picks for parameters of `dtype` on `device`."""
-    return backends.resolve_backend("auto", device, dtype)
+def resolve_auto_backend(device, dtype, int8=False):
+    """The backend "auto" picks for parameters of `dtype` on `device` (with int8 state)."""
+    return backends.resolve_backend("auto", device, dtype, int8=int8)
 
 
 def kernels_take_only_their_own_dtypes(monkeypatch):
@@ -241,6 +273,15 @@ def shipped_triton_launch_configs():
 
 
 # --- state in a dtype of its own (pnm_kernels/params.py) ------------------------------------
+
+def ensure_state(state, param, names, dtype=None, seed=None):
+    """What a step does to a parameter's state entry before stepping it: the buffers `names`
+    made, or converted to `dtype` where they have another (pnm_kernels.state.ensure_state);
+    returns the entry and whether it was replaced."""
+    from pnm_kernels.state import ensure_state as ensure
+
+    return ensure(state, param, names, dtype, seed=seed)
+
 
 def element_offset(param):
     """The elements of the whole parameter before this rank's shard: the offset of the index

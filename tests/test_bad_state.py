@@ -11,7 +11,7 @@ import cases
 from cases import FAST_PATHS
 from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_same_entry,
                       assert_states_close, clone_params, make_params, train, with_reference)
-from internals import triton_only_install
+from internals import state_buffer_names, triton_only_install
 
 
 def _assert_step_refused_untouched(opt, params, match):
@@ -603,7 +603,7 @@ def _negative_in_state(key):
 
 
 def _first_buffer_name(opt):
-    return opt._buffer_names[0]
+    return state_buffer_names(opt)[0]
 
 
 # Edits after steps that leave a tensor of the step a lazy negative view, each with the state

@@ -10,7 +10,7 @@ from torch._dynamo.testing import CompileCounter
 
 import cases
 from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
-from internals import extension_is_built, triton_only_install
+from internals import extension_is_built, state_buffer_names, triton_only_install
 from pnm_kernels import aliasing, traced
 
 pytestmark = requires_extension
@@ -155,7 +155,7 @@ def test_a_compiled_step_refuses_bad_state_naming_it_before_any_state_converts(n
     values = [p.detach().clone() for p in params]
     first_state = dict(opt.state[params[0]])
     opt.param_groups[0]["state_dtype"] = torch.bfloat16
-    edit(opt.state[params[1]], *opt._buffer_names[:2])
+    edit(opt.state[params[1]], *state_buffer_names(opt)[:2])
     try:
         with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\].*" + match):
             step()

@@ -14,6 +14,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 from conftest import FAST_PATHS
+from internals import record_bucket_steps
 from pnm_kernels import PNM, AdaPNM, available_backends
 # one_rank: the fixture, used by name
 from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _data, _free_port,  # noqa: F401
@@ -34,7 +35,7 @@ def _one_rank_ddp_training_in_backward(name, backend, in_backward, as_bucket_vie
                                                     gradient_as_bucket_view=as_bucket_views)
     opt = OPTIMIZERS[name](ddp.parameters(), lr=1e-2, weight_decay=0.1, backend=backend,
                            state_dtype=state_dtype)
-    buckets = _count_buckets(opt)
+    buckets = record_bucket_steps(opt)
     if in_backward:
         opt.step_in_backward(ddp=ddp)
     gen = torch.Generator().manual_seed(1)
@@ -44,19 +45,6 @@ def _one_rank_ddp_training_in_backward(name, backend, in_backward, as_bucket_vie
         torch.nn.functional.mse_loss(ddp(x.to(ONE_RANK_DEVICE)), y.to(ONE_RANK_DEVICE)).backward()
         opt.step()
     return model, opt, buckets
-
-
-def _count_buckets(opt):
-    """The buckets the optimizer steps by themselves (its _step_only calls), as (how many
-    parameters, inside a backward pass?)."""
-    calls = []
-    step_only = opt._step_only
-
-    def counted(params, **kwargs):
-        calls.append((len(params), torch._C._current_graph_task_id() != -1))
-        step_only(params, **kwargs)
-    opt._step_only = counted
-    return calls
 
 
 def _assert_same_training(model, opt, ordinary, ordinary_opt, grads=True):
@@ -159,7 +147,7 @@ def test_an_lr_set_between_backward_and_step_after_the_probe_says_ddps_last_buck
     model = _model().to(ONE_RANK_DEVICE)
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
     opt = AdaPNM(ddp.parameters(), lr=1e-2)
-    buckets = _count_buckets(opt)
+    buckets = record_bucket_steps(opt)
     opt.step_in_backward(ddp=ddp)
     xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
     for t in range(3):
@@ -212,7 +200,7 @@ def _one_rank_ddp_attached(events, static_graph):
     ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12,
                                                     static_graph=static_graph)
     opt = AdaPNM(ddp.parameters(), lr=1e-3, weight_decay=0.1)
-    buckets = _count_buckets(opt)
+    buckets = record_bucket_steps(opt)
     xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
     handle, ordinary = None, []
     for i, t in enumerate(list(range(STEPS)) * 3):
@@ -462,7 +450,7 @@ def test_a_compiled_ddp_model_steps_in_backward_as_the_compiled_ordinary_one(one
         ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=1)
         compiled = torch.compile(ddp)
         opt = PNM(model.parameters(), lr=1e-2, weight_decay=0.1)
-        buckets = _count_buckets(opt)
+        buckets = record_bucket_steps(opt)
         if in_backward:
             opt.step_in_backward(ddp=ddp)
         xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())

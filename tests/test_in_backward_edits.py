@@ -13,6 +13,7 @@ import torch
 import cases
 from cases import FAST_PATHS
 from conftest import OPTIMIZERS, assert_same_bits
+from internals import step_in_backward_handle
 from pnm_kernels import PNM, AdaPNM
 from test_step_in_backward import _assert_same, _batches, _model, _train
 
@@ -106,7 +107,7 @@ def test_removed_under_zero_filled_gradients_the_ordinary_step_steps_what_it_wou
     for p, q in zip(params, ordinary_params):
         assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
         assert all(torch.equal(v, ordinary_opt.state[q][k]) for k, v in opt.state[p].items())
-    assert opt._in_backward is None
+    assert step_in_backward_handle(opt) is None
 
 
 def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
@@ -231,7 +232,7 @@ def test_after_remove_between_backward_and_step_the_optimizer_is_free_at_once():
         if _ == 1:
             handle.remove()
         opt.step() if _ == 0 else None
-    assert opt._in_backward is None
+    assert step_in_backward_handle(opt) is None
     opt.add_param_group(dict(params=extra.parameters()))
     opt.step_in_backward().remove()  # not refused as "already steps inside backward"
     opt.step()
@@ -320,7 +321,7 @@ def test_load_state_dict_keeps_the_step_in_backward():
         _train(model, opt, batches[:3])
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         if handle is not None:
-            assert opt._in_backward is handle
+            assert step_in_backward_handle(opt) is handle
             with pytest.raises(RuntimeError, match="already steps inside backward"):
                 opt.step_in_backward()
         _train(model, opt, batches[3:])

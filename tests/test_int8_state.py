@@ -11,10 +11,9 @@ import torch
 
 from cases import INT8_PATHS, OPTIMIZERS, parametrize
 from conftest import assert_close_codes, assert_same_bits, round_trip
+from internals import ensure_state, resolve_auto_backend
 from pnm_kernels import PNM, AdaPNM, _ops, quantization, reference
-from pnm_kernels.backends import resolve_backend
 from pnm_kernels.quantization import BLOCK, NEAREST_BITS, dequantize, quantize, scale_name
-from pnm_kernels.state import ensure_state
 
 # Rows of 300 (blocks of 128, 128 and 44), a 1-D bias (bfloat16 state), rows of 256 in a 3-D
 # tensor, one row of exactly one block.
@@ -401,7 +400,7 @@ def test_the_gpu_kernels_step_int8_state_as_the_reference(name, dtype, backend):
     """On a GPU, "auto" picks the CUDA int8 kernel; it and the Triton kernel step as the
     reference to rounding (the element maths may differ by a rounding; a code's rounding
     decision never contracts into an FMA)."""
-    assert resolve_backend("auto", torch.device("cuda"), dtype, int8=True) == "fused"
+    assert resolve_auto_backend(torch.device("cuda"), dtype, int8=True) == "fused"
     runs = []
     for b in ("reference", backend):
         params = [torch.nn.Parameter(p.cuda()) for p in _params(dtype)]

@@ -13,6 +13,7 @@ from cases import FAST_PATHS, OVER_OPTIMIZERS
 from conftest import (OPTIMIZERS, assert_states_close, clone_params, grads_for_step,
                       make_params, second_parameter_restarted_after_three_steps, train,
                       with_reference)
+from internals import state_buffer_names
 from pnm_kernels import PNM, AdaPNM
 
 
@@ -225,7 +226,7 @@ def test_load_hooks_edit_what_is_loaded_and_what_was_loaded(path, name):
     opt = OPTIMIZERS[name](params, lr=1e-2, backend=path, state_dtype=torch.float32)
     train(opt, params, 3)
     saved = opt.state_dict()
-    first = opt._buffer_names[0]
+    first = state_buffer_names(opt)[0]
 
     def reset_first(opt, saved):
         state = {i: {k: torch.zeros_like(v) if k == first else v for k, v in s.items()}
@@ -237,7 +238,7 @@ def test_load_hooks_edit_what_is_loaded_and_what_was_loaded(path, name):
     def fill_second(opt):
         entry = opt.state[params[0]]
         seen.append(entry[first].dtype)
-        entry[opt._buffer_names[1]].fill_(0.5)
+        entry[state_buffer_names(opt)[1]].fill_(0.5)
         opt.param_groups[0]["state_dtype"] = torch.bfloat16
 
     fresh = OPTIMIZERS[name](params, lr=1e-2, backend=path, state_dtype=torch.float32)
@@ -247,7 +248,7 @@ def test_load_hooks_edit_what_is_loaded_and_what_was_loaded(path, name):
     entry = fresh.state[params[0]]
     assert seen == [torch.float32]
     assert entry[first].dtype == torch.float32 and not entry[first].any()
-    assert bool((entry[fresh._buffer_names[1]] == 0.5).all())
+    assert bool((entry[state_buffer_names(fresh)[1]] == 0.5).all())
     assert fresh.param_groups[0]["state_dtype"] == torch.bfloat16
 
 

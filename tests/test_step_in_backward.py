@@ -12,9 +12,10 @@ import torch
 from cases import FAST_PATHS, OPTIMIZERS, parametrize
 from pnm_kernels import PNM, AdaPNM
 
-MODES = {"plain": (torch.float32, {}),
-         # Issue 34's recipe: bf16 parameters rounded stochastically, int8 state.
-         "bf16-int8": (torch.bfloat16, dict(state_dtype=torch.int8, bf16_stochastic_round=True))}
+# Parameter dtype and optimizer arguments: as usual, and the smallest-memory recipe (bf16
+# parameters rounded stochastically, int8 state).
+RECIPES = {"plain": (torch.float32, {}),
+           "bf16-int8": (torch.bfloat16, dict(state_dtype=torch.int8, bf16_stochastic_round=True))}
 
 
 def _model(dtype=torch.float32):
@@ -49,11 +50,11 @@ def _assert_same(model_a, opt_a, model_b, opt_b):
             assert torch.equal(value, opt_b.state[q][key]), key
 
 
-@pytest.mark.parametrize("mode", list(MODES))
+@pytest.mark.parametrize("mode", list(RECIPES))
 @pytest.mark.parametrize("bucket_mib", [0.05, 100.0], ids=["small-buckets", "one-bucket"])
 @parametrize(FAST_PATHS)
 def test_the_step_in_backward_is_the_ordinary_step_bitwise(name, path, bucket_mib, mode):
-    dtype, kwargs = MODES[mode]
+    dtype, kwargs = RECIPES[mode]
     if path == "triton" and bucket_mib > 1:
         pytest.skip("the Triton interpreter takes seconds a step on a CPU: small buckets only")
     steps = 3 if path == "triton" else 8
