@@ -68,7 +68,7 @@ def torch_libstdcxx():
 libstdcxx = torch_libstdcxx() or "-lstdc++"
 link_flags = ["-fopenmp", "-Wl,--push-state,--no-as-needed", libstdcxx, "-Wl,--pop-state"]
 # The C++ sources, CPU-only and CUDA builds alike. All take cxx_flags: -ffp-contract=off must
-# hold wherever element maths is compiled (cpu_kernel.cpp, emulated_cuda.cpp).
+# hold wherever element maths is compiled (the cpu_*kernel.cpp files, emulated_cuda.cpp).
 sources = [
     "csrc/ops.cpp",  # schemas, registration, test hooks, PyInit__C
     "csrc/step_call.cpp",  # argument checks, kernel arguments

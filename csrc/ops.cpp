@@ -1,9 +1,10 @@
 // The library pnm_kernels: op schemas, their CPU implementations' registration, the test
-// hooks, the held-list classes (StepLists, StateLists, HeldLayouts: step_lists.cpp), and the
-// Python module's entry point. The implementations live in step_call.cpp (checks),
-// cpu_kernel.cpp, cpu_state_kernel.cpp and cpu_int8_kernel.cpp (the fused CPU kernels),
-// emulated_cuda.cpp (the CUDA kernels' code on the host) and pnm_cuda.cu (CUDA, registered
-// there).
+// hooks, the custom classes (StepLists, StateLists, HeldLayouts: step_lists.cpp;
+// WrittenMemory, HeldParams: written_memory.cpp), and the Python module's entry point. The
+// implementations live in step_call.cpp (checks), traced_checks.cpp (the checks inside a
+// torch.compile'd step), cpu_kernel.cpp, cpu_state_kernel.cpp and cpu_int8_kernel.cpp (the
+// fused CPU kernels), emulated_cuda.cpp (the CUDA kernels' code on the host) and pnm_cuda.cu
+// (CUDA, registered there).
 #include <Python.h>
 
 #include <torch/library.h>

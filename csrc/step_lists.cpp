@@ -1,4 +1,4 @@
-// StepLists' methods (step_lists.h).
+// The methods of StepLists, StateLists and HeldLayouts (step_lists.h).
 #include "step_lists.h"
 
 #include <ATen/core/dispatch/Dispatcher.h>

@@ -1,6 +1,7 @@
-// StepLists, the custom class torch.classes.pnm_kernels.StepLists: the lists of a batch that
-// stay the same from step to step, held in C++ so that a repeated step converts only its
-// gradients from Python.
+// The held lists, custom classes under torch.classes.pnm_kernels: StepLists, the lists of a
+// batch that stay the same from step to step, held in C++ so that a repeated step converts
+// only its gradients from Python; StateLists, the same for a batch of state in a dtype of its
+// own; HeldLayouts, the layouts of such a batch's tensors as they were checked.
 #pragma once
 
 #include <ATen/core/Tensor.h>

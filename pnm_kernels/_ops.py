@@ -1,6 +1,8 @@
 """Loads the compiled extension and gives its ops fake (meta) implementations, so they trace
-under torch.compile and pass torch.library.opcheck. The ops mutate their inputs in place and
-return nothing, so the fakes only have to accept the arguments."""
+under torch.compile and pass torch.library.opcheck (the ops mutate their inputs in place and
+return nothing, so the fakes only have to accept the arguments); the CPU kernel's
+instruction set (chosen at import: `set_cpu_isa`), the CUDA kernels' chunk size and the test
+hooks that lower the launch limits."""
 from typing import Optional
 
 import torch

@@ -5,8 +5,12 @@ or state tensor may have elements that share memory (an expanded view). Gradient
 tensor lr) are only read: two of them may share memory, or one its own elements. Each
 backend would step aliased memory another way (the reference one tensor after another, the
 kernels all at once), so a state tensor put under two keys or parameters by hand, or made a
-view of another's memory, is refused before anything is touched. Checked where a step's lists are built (after
-any edit of the state), not at every step."""
+view of another's memory, is refused before anything is touched.
+
+The claims element by element (MemoryClaims) are checked where a step's lists are built
+(after any edit of the state), not at every step; what a step writes is kept as spans
+(written_memory, WrittenSpans, held_params), against which each step's gradients and tensor
+lr are looked up (extents_meet, also inside a compiled step)."""
 import bisect
 
 import torch

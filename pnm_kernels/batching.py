@@ -11,7 +11,7 @@ import torch
 from ._ops import extension_error
 from .aliasing import (GRADIENT, LR, PARAMETER, MemoryClaims, SharedMemoryError,
                        held_params, written_memory)
-from .backends import BACKENDS
+from .backends import REGISTRY
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
                             layouts_unchanged, own_state, tensor_layouts)
 from .layout import LAZY_VIEW_ADVICE, dense_like, lazy_view
@@ -94,10 +94,10 @@ class BatchCache:
         write back after the step."""
         group, backend, params = item.group, item.backend, item.params
         batch, writebacks, counted = self.build(optimizer, group, params, names,
-                                                BACKENDS[backend].flat)
+                                                REGISTRY[backend].flat)
         shards = not all(map(holdable, params))
         simple = counted and not writebacks and (not shards or all(map(shard_holdable, params)))
-        if simple and BACKENDS[backend].holds_lists:
+        if simple and REGISTRY[backend].holds_lists:
             version = self.version(optimizer)
             for key in [k for k, (v, _) in self._entries.items() if v != version]:
                 del self._entries[key]  # stale: holds tensors the state may have replaced

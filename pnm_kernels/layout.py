@@ -1,5 +1,6 @@
 """Memory layouts the flat kernels, which walk raw memory, can take (mirrors csrc's
-dense_like)."""
+dense_like), and the lazy views (conjugate or negative bits) whose memory holds other values
+than the tensor shows, which no step takes (mirrors csrc's is_lazy_view)."""
 import torch
 
 

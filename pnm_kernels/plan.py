@@ -9,7 +9,7 @@ from typing import Any, Optional, Sequence
 import torch
 
 from .aliasing import GRADIENT, LR, PARAMETER, MemoryClaims
-from .backends import BACKENDS, check_capturable, native_grad_check, resolve_backend
+from .backends import REGISTRY, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
 from .hyper import (Hyper, check_state_dtype, signature, steps_in_float32, validate_group,
@@ -281,7 +281,7 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
         if device not in on_device:
             on_device[device] = scaling.to(device)
         gi = next(i for i, g in enumerate(optimizer.param_groups) if g is item.group)
-        BACKENDS[item.backend].step(batch, planner.hyper(item.group, gi), on_device[device])
+        REGISTRY[item.backend].step(batch, planner.hyper(item.group, gi), on_device[device])
         writeback(writebacks)
     return [batch for batch, _ in built]
 

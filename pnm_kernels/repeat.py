@@ -13,7 +13,7 @@ from typing import Optional
 import torch
 
 from .aliasing import written_memory
-from .backends import BACKENDS
+from .backends import REGISTRY
 from .backends.base import Batch, HeldLists, Scaling, step_lists
 from .batching import BatchCache
 from .params import holdable, is_param_list
@@ -75,7 +75,7 @@ class RepeatedStep:
             kinds = {(item.params[0].device, item.params[0].dtype) for item, _ in mine}
             held_batches: list[HeldBatch] = []
             for item, batch in mine:
-                if (not BACKENDS[item.backend].holds_lists or batch.held is None
+                if (not REGISTRY[item.backend].holds_lists or batch.held is None
                         or batch.held.shards or batch.held.own_state):
                     return
                 lists, outside = batch.held.step_lists, ()
@@ -140,7 +140,7 @@ class RepeatedStep:
         launches = []
         for held, batch in flat:
             try:
-                launch = BACKENDS[batch.backend].prepare_repeat(
+                launch = REGISTRY[batch.backend].prepare_repeat(
                     batch.held, batch.device, batch.dtype, hyper_of[id(held)], several)
             except RuntimeError:  # tables to build inside a capture: the careful step
                 launch = None  # says what to do

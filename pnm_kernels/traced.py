@@ -11,7 +11,7 @@ import torch
 
 from ._ops import DTYPE_CODES, extension_error
 from .aliasing import LR, MemoryClaims, extents_meet
-from .backends import BACKENDS, traceable
+from .backends import REGISTRY, traceable
 from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
 from .hyper import Hyper, assert_lr_in_graph, lr_dtype_for, needs_seed, validate_group
@@ -58,7 +58,7 @@ def step(optimizer, scaling: Scaling) -> None:
             end = start + count
             device = params[start].device
             batch_hyper = hyper
-            if BACKENDS[backend].flat and not isinstance(hyper.lr, torch.Tensor):
+            if REGISTRY[backend].flat and not isinstance(hyper.lr, torch.Tensor):
                 # A float lr is a graph input, as for torch's optimizers, but an op's float
                 # argument would be specialised on, recompiling for every new lr: it enters
                 # the kernels as a tensor on their device. (A product: torch.full's fill
@@ -68,12 +68,12 @@ def step(optimizer, scaling: Scaling) -> None:
                 batch_hyper = hyper.with_lr(lr)
             batch, writebacks = kernel_batch(
                 params[start:end], grads[start:end], [b[start:end] for b in buffers],
-                steps[start:end], BACKENDS[backend].flat, copies)
+                steps[start:end], REGISTRY[backend].flat, copies)
             if seeds:
                 batch.seeds, batch.offsets = seeds[start:end], list(offsets)
             if scales[0]:
                 batch.scales = [slot[start:end] for slot in scales[:hyper.num_buffers]]
-            BACKENDS[backend].step(batch, batch_hyper, Scaling(
+            REGISTRY[backend].step(batch, batch_hyper, Scaling(
                 *(None if t is None else t.to(device)
                   for t in (scaling.grad_scale, scaling.found_inf))))
             writeback(writebacks)
@@ -379,6 +379,6 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
                 seeds.append(state["seed"])
                 offsets.append(element_offset(p))
             param, grad, bufs = kernel_views(p, p.grad, bufs)
-            copies.append(dense_copies(param, grad, bufs[0], BACKENDS[backend].flat))
+            copies.append(dense_copies(param, grad, bufs[0], REGISTRY[backend].flat))
         out.append((backend, len(idx), tuple(copies), tuple(offsets), tuple(idx)))
     return tuple(out)

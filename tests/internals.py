@@ -194,7 +194,7 @@ def run_triton_step(adaptive, batch, hp, grad_scale=None, found_inf=None):
     """One Triton step of a batch from make_batch, `hp` the hyper-parameters as a dict
     (lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled, maximize)."""
     hyper = Hyper(adaptive=adaptive, **hp)
-    return backends.BACKENDS["triton"].step(batch, hyper, base.Scaling(grad_scale, found_inf))
+    return backends.REGISTRY["triton"].step(batch, hyper, base.Scaling(grad_scale, found_inf))
 
 
 def simulate_triton_graph_capture(monkeypatch):

@@ -12,7 +12,8 @@ from .fused import FusedBackend
 from .reference import ReferenceBackend
 from .triton import TritonBackend
 
-BACKENDS: dict[str, Backend] = {b.name: b for b in (
+# Every backend object by its name (the public pnm_kernels.BACKENDS: the names, "auto" too).
+REGISTRY: dict[str, Backend] = {b.name: b for b in (
     ReferenceBackend(), ForeachBackend(), FusedBackend(), TritonBackend())}
 
 # Parameter dtypes (complex ones go in as real views): the reference and foreach ops and the
@@ -86,7 +87,7 @@ def traceable(backend: str, device: torch.device, dtype: torch.dtype) -> str:
 def check_capturable(backend: str, device: torch.device) -> None:
     """Refuses, before anything is touched, an eager step that a CUDA-graph capture would
     break halfway (as torch's optimizers refuse one without capturable=True)."""
-    if BACKENDS[backend].reads_host and capturing(device):
+    if REGISTRY[backend].reads_host and capturing(device):
         raise RuntimeError(
             f"pnm_kernels: backend='{backend}' reads each parameter's step count on the host, "
             "which a CUDA graph capture cannot record; capture the step with backend='fused' "
