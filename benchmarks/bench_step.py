@@ -36,7 +36,7 @@ from compiled_peer import CompiledPNM, CompiledAdaPNM  # noqa: E402
 from bench_report import (BNB_ADAM8BIT, BNB_SGD8BIT, PEERS, TORCHAO_ADAMW8BIT,  # noqa: E402
                           copy_summary, plot, write_table)
 
-# The CPU main job must end within 5 minutes on a fresh machine, install and build included
+# The CPU benchmark (benchmarks/run.sh) must end within 5 minutes on a fresh machine, install and build included
 # (it took 301 s with tiny2000, 387 s with flat64M too): flat16M already sits on the memory
 # floor, and small2000 shows what tiny2000 does, a step of 2,000 tensors bound by host time.
 # Both run with --sets.
@@ -45,7 +45,7 @@ DEFAULT_SETS = {"cpu": ["small2000", "resnet50", "transformer", "flat1M", "flat1
                          "flat1M", "flat4M", "flat16M", "flat64M", "flat256M", "flat1024M"]}
 QUICK_SETS = {"cpu": ["small2000", "transformer"], "cuda": ["small2000", "transformer", "flat64M"]}
 # Rounds per set: the default CPU run ends in about 1.5 minutes on an idle 2-core CPU, so
-# that the main job on a fresh machine, install and build included, ends within 5.
+# that the benchmark on a fresh machine, install and build included, ends within 5.
 DEFAULT_ROUNDS = {"cpu": 7, "cuda": 15}
 OUT = os.path.join(os.path.dirname(os.path.abspath(__file__)), "out")
 STATE_NAMES = {"bfloat16": "bf16 state", "float32": "fp32 state", "int8": "int8 state"}

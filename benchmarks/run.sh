@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The main job: sets up (skipped in a few seconds when nothing changed), then benchmarks
+# The benchmark: sets up (skipped in a few seconds when nothing changed), then benchmarks
 # PNM/AdaPNM against torch.optim on this machine's device (CUDA if present, else CPU), ending
 # in a table, a JSON and a figure under benchmarks/out/ (ignored by git). Under 1.5 minutes
 # on an idle 2-core CPU once set up. Extra arguments go to bench_step.py: e.g. --quick (two

@@ -2,9 +2,13 @@
 
 Each group's tensors come from the optimizer's _init_group, which dynamo runs untraced, as it
 runs torch's optimizers' own; it then knows each tensor by its place in param_groups or state
-and guards on them as for torch's optimizers. (Traced, the eager planning reached them through
-the state dict's keys: a gradient was guarded by identity, and every step with new gradients
-recompiled.)"""
+and guards on them as for torch's optimizers. (Traced, the eager planning would reach them
+through the state dict's keys: a gradient would be guarded by identity, and every step with
+new gradients would recompile.)
+
+Also here: the checks inside the graph of what dynamo does not guard (the CPU step counters'
+values; every tensor's memory, dtype, device and layout as traced), as custom ops: in C++
+where the extension is built, in Python otherwise."""
 import weakref
 
 import torch

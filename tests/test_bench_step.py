@@ -72,7 +72,7 @@ def test_the_copy_bandwidth_is_timed_in_every_round_and_kept_per_set(tmp_path):
 
 
 def test_the_default_output_folder_is_ignored_by_git(tmp_path):
-    """The main job writes to benchmarks/out/: the tree stays clean after it (the tables kept in
+    """The benchmark writes to benchmarks/out/: the tree stays clean after it (the tables kept in
     the tree, benchmarks/results/, change only when asked with --out)."""
     if shutil.which("git") is None or not os.path.exists(os.path.join(BENCHMARKS, "..", ".git")):
         pytest.skip("not a git checkout")
