@@ -558,11 +558,14 @@ def test_a_step_counter_set_by_hand_as_a_number_is_taken_by_the_compiled_step(ba
     assert all(torch.equal(value, eager.state[q][k]) for k, value in opt.state[p].items())
 
 
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name):
+def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name, backend):
     """fp32/fp16/bf16, complex, transposed, channels_last, a strided slice, 0-dim and empty
-    parameters in one group, and a second group: the compiled step gives what the eager step
-    gives, and the strided slice is updated in place."""
+    parameters in one group, and a second group: the compiled step makes one graph
+    (fullgraph) and gives what the eager step gives, and the strided slice is updated in
+    place; also where the step runs foreach ops (what an install without the extension
+    traces)."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(10, generator=gen), torch.randn(9, generator=gen).half(),
@@ -579,15 +582,27 @@ def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name):
         params[6] = tensors[6]._base.clone()[:, ::3]
         params = [p.requires_grad_() for p in params]
         opt = OPTIMIZERS[name]([dict(params=params[:7]), dict(params=params[7:], lr=3e-3)],
-                               lr=1e-2, weight_decay=0.1, backend="fused")
-        step = torch.compile(opt.step, backend=CompileCounter()) if compile_step else opt.step
+                               lr=1e-2, weight_decay=0.1, backend=backend)
+        step = (torch.compile(opt.step, backend=CompileCounter(), fullgraph=True)
+                if compile_step else opt.step)
         for t in range(4):
             gen_t = torch.Generator().manual_seed(t)
             for p in params:
                 p.grad = torch.randn(p.shape, generator=gen_t, dtype=p.dtype).to(DEVICE)
             step()
         runs.append((opt, params))
-    assert_states_close(*runs[1], *runs[0])
+    if backend == "fused":  # the same kernels, traced or not
+        assert_states_close(*runs[1], *runs[0])
+    else:  # foreach ops round 16-bit values otherwise than their traced form (design.md §4):
+        # those agree to a few roundings of the tensor's largest magnitude over the 4 steps
+        (opt, params), (eager, eager_params) = runs[1], runs[0]
+        for p, q in zip(params, eager_params):
+            for a, b in [(p.detach(), q.detach()), *((v, eager.state[q][k])
+                                                     for k, v in opt.state[p].items())]:
+                low = b.dtype in (torch.float16, torch.bfloat16) and b.numel()
+                tol = dict(rtol=0, atol=8 * torch.finfo(b.dtype).eps * float(b.abs().max())
+                           ) if low else {}
+                torch.testing.assert_close(a, b, **tol)
     assert runs[1][1][6].stride() == (12, 3)
 
 

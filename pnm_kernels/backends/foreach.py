@@ -152,7 +152,8 @@ def _traced_step(batch: Batch, hyper: Hyper, grad_scale):
         second_moment = exp_avg_sq
         if hyper.amsgrad:
             second_moment = batch.buffers[3][i]
-            torch.maximum(second_moment, exp_avg_sq, out=second_moment)
+            # Not out=: dynamo takes no out= tensor that is not contiguous (a transposed one).
+            second_moment.copy_(torch.maximum(second_moment, exp_avg_sq))
         # In float64, as the reference's Python floats; applied in at least float32.
         t = step.to(torch.float64)
         scalar_dtype = torch.promote_types(param.dtype, torch.float32)
