@@ -20,6 +20,8 @@ from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
 from .counters import as_step, is_one_number
+from .params import local
+from .quantization import scale_name
 from .state import REFUSED_LOAD, OptimizerState, ParamState, keys_read, put, tracked
 
 BACKENDS = BACKEND_NAMES
@@ -95,6 +97,7 @@ class _PositiveNegativeMomentum(Optimizer):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
         _refuse_foreign_state(state_dict, self._buffer_names, self._keys, type(self).__name__)
+        _refuse_negative_scales(state_dict, self._buffer_names)
         state_dict = {**state_dict, "param_groups": saved_codes.refuse_codes_read_as_values(
             self, state_dict)}
         saved = _saved_tensors(state_dict, self.param_groups)
@@ -314,6 +317,25 @@ def _refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
                 f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
                 "optimizer? Load the model's weights alone, and let this optimizer's state "
                 "start afresh")
+
+
+def _refuse_negative_scales(state_dict: dict, names: tuple) -> None:
+    """Raises, naming the entry and key, where saved int8 block scales hold a negative value,
+    which no quantisation makes (a block's scale is its largest magnitude): a corrupted or
+    hand-made checkpoint, whose decoded momenta would change sign and second moments have
+    no root. Read here, once (a step does not read scales back; a NaN scale, of state that
+    diverged, loads as saved)."""
+    for index, entry in state_dict.get("state", {}).items():
+        for key in map(scale_name, names):
+            scales = entry.get(key) if isinstance(entry, dict) else None
+            if not (torch.is_tensor(scales) and scales.is_floating_point()):
+                continue  # not scales: the step names what is wrong with it
+            scales = local(scales)
+            if not scales.is_meta and bool((scales < 0).any()):
+                raise ValueError(
+                    f"state_dict['state'][{index!r}][{key!r}] holds a negative block scale "
+                    f"({float(scales.min())}), which no int8 state has: a corrupted "
+                    "checkpoint? Nothing was loaded")
 
 
 def _saved_tensors(state_dict: dict, param_groups) -> dict:

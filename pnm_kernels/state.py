@@ -267,6 +267,10 @@ def _check_buffer(entry: dict, name: str, p) -> None:
             kind = "signed (int8)" if quantization.SIGNED[name] else "unsigned (uint8)"
             raise StateValueError(name, f"holds {buffer.dtype} codes where its codes are "
                                   f"{kind}")
+        if quantization.row_length(p.shape) is None:
+            raise StateValueError(name, "holds int8 codes, which this parameter does not keep: "
+                                  f"its rows are shorter than a block of {quantization.BLOCK} "
+                                  "(it keeps bfloat16 state)")
         key = quantization.scale_name(name)
         scales = entry.get(key)
         if scales is None:

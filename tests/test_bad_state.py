@@ -158,6 +158,53 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
         assert torch.equal(opt.state[params[1]][key], value), key
 
 
+@pytest.mark.parametrize("how", ["by-hand", "loaded"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_int8_codes_of_a_parameter_whose_rows_hold_no_block_are_refused_naming_it(path, name,
+                                                                                   how):
+    """A parameter whose rows are shorter than a block keeps bfloat16 state: int8 codes and
+    scales put there (by hand, or in an edited checkpoint) are refused naming it, before any
+    change."""
+    momentum = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    params = make_params([(3, 200), (5,)])
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.int8)
+    train(opt, params, 2)
+    state = opt.state[params[1]] if how == "by-hand" else copy.deepcopy(opt.state_dict())
+    entry = state if how == "by-hand" else state["state"][1]
+    entry[momentum] = torch.zeros(5, dtype=torch.int8)
+    entry[f"{momentum}_scale"] = torch.ones(5, 1)
+    if how == "loaded":
+        params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+        opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.int8)
+        opt.load_state_dict(state)
+    _assert_step_refused_untouched(opt, params, rf"params'\]\[1\].* state '{momentum}' holds "
+                                                r"int8 codes, which this parameter does not "
+                                                r"keep: its rows are shorter than a block")
+
+
+@pytest.mark.parametrize("scale", [-1.0, float("-inf")])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpoint_with_negative_int8_scales_is_refused_by_the_load_nothing_loaded(name,
+                                                                                       scale):
+    """No quantisation makes a negative block scale (a block's scale is its largest
+    magnitude): decoded, a momentum would change sign and a second moment have no root.
+    load_state_dict refuses it, naming the entry and key, with nothing loaded."""
+    params = make_params([(3, 200)])
+    opt = OPTIMIZERS[name](params, state_dtype=torch.int8)
+    train(opt, params, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    key = "exp_avg_sq_scale" if name == "AdaPNM" else "neg_momentum_scale"
+    saved["state"][0][key][1, 0] = scale
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"state_dict\['state'\]\[0\]\['{key}'\] holds a "
+                                         r"negative block scale .*Nothing was loaded"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert all(torch.equal(v, after["state"][0][k]) for k, v in before["state"][0].items())
+    saved["state"][0][key][1, 0] = float("nan")  # diverged state loads as saved
+    opt.load_state_dict(saved)
+
+
 # A count no step can use, filled in place into a counter between steps, and what the
 # refusal says of it.
 COUNTS_FILLED_IN = {"-1": (-1.0, r"'step' is -1.0, not a whole number of steps >= 0"),

@@ -593,8 +593,8 @@ def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name, backen
         runs.append((opt, params))
     if backend == "fused":  # the same kernels, traced or not
         assert_states_close(*runs[1], *runs[0])
-    else:  # foreach ops round 16-bit values otherwise than their traced form (design.md §4):
-        # those agree to a few roundings of the tensor's largest magnitude over the 4 steps
+    else:  # foreach ops round 16-bit values otherwise than their traced form (docs/design.md
+        # §4): those agree to a few roundings of the tensor's largest magnitude over 4 steps
         (opt, params), (eager, eager_params) = runs[1], runs[0]
         for p, q in zip(params, eager_params):
             for a, b in [(p.detach(), q.detach()), *((v, eager.state[q][k])
