@@ -237,13 +237,7 @@ def _rows_whole(param) -> bool:
                for place in getattr(param, "placements", ()))
 
 
-def lr_dtype_for(param_dtype: torch.dtype) -> torch.dtype:
-    """The dtype an lr tensor enters a kernel in: float64 for float64 parameters (the fused
-    ops read it in full), else float32."""
-    return torch.float64 if param_dtype in (torch.float64, torch.complex128) else torch.float32
-
-
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
            "assert_lr_in_graph", "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
-           "lr_dtype_for", "STATE_DTYPES", "check_state_dtype",
+           "STATE_DTYPES", "check_state_dtype",
            "steps_in_float32", "needs_seed"]

@@ -18,7 +18,7 @@ from .aliasing import LR, MemoryClaims, extents_meet
 from .backends import REGISTRY, traceable
 from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
-from .hyper import Hyper, assert_lr_in_graph, lr_dtype_for, needs_seed, validate_group
+from .hyper import Hyper, assert_lr_in_graph, needs_seed, validate_group
 from .layout import LAZY_VIEW_ADVICE, lazy_view
 from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
                      kernel_views, local)
@@ -65,10 +65,10 @@ def step(optimizer, scaling: Scaling) -> None:
             if REGISTRY[backend].flat and not isinstance(hyper.lr, torch.Tensor):
                 # A float lr is a graph input, as for torch's optimizers, but an op's float
                 # argument would be specialised on, recompiling for every new lr: it enters
-                # the kernels as a tensor on their device. (A product: torch.full's fill
+                # the kernels as a tensor on their device, in float64, the eager step's
+                # digits (the kernels read it in double). (A product: torch.full's fill
                 # value would be specialised on too.)
-                lr = torch.ones((), dtype=lr_dtype_for(params[start].dtype),
-                                device=device) * hyper.lr
+                lr = torch.ones((), dtype=torch.float64, device=device) * hyper.lr
                 batch_hyper = hyper.with_lr(lr)
             batch, writebacks = kernel_batch(
                 params[start:end], grads[start:end], [b[start:end] for b in buffers],

@@ -9,7 +9,8 @@ import torch._dynamo
 from torch._dynamo.testing import CompileCounter
 
 import cases
-from conftest import DEVICE, HAS_TRITON, OPTIMIZERS, assert_states_close, requires_extension
+from conftest import (DEVICE, HAS_TRITON, OPTIMIZERS, assert_same_bits, assert_states_close,
+                      requires_extension)
 from internals import extension_is_built, state_buffer_names, triton_only_install
 from pnm_kernels import aliasing, traced
 
@@ -54,13 +55,15 @@ def test_compiled_step_has_no_graph_break(name, backend):
     assert explain.graph_break_count == 0, explain.break_reasons
 
 
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["own-state", "bf16-state"])
 @pytest.mark.parametrize("lr", ["tensor", "float"])
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
-def test_compiled_training_step_matches_eager_and_compiles_once(name, lr):
+def test_compiled_training_step_matches_eager_and_compiles_once(name, lr, state_dtype):
     """A compiled training step (forward, backward, optimizer step) with an LR scheduler
-    gives what eager gives, state included, and compiles its graphs once: as with torch's
-    optimizers, new gradients each step and a new lr (a tensor's value, or a float, after
-    one recompile) reuse them. Two groups, one of them without weight decay."""
+    gives what eager gives bitwise, state included (a float lr enters the kernels with the
+    eager step's float64 digits), and compiles its graphs once: as with torch's optimizers,
+    new gradients each step and a new lr (a tensor's value, or a float, after one
+    recompile) reuse them. Two groups, one of them without weight decay."""
     torch._dynamo.reset()
     eager, compiled = _models()
     opts = []
@@ -68,7 +71,8 @@ def test_compiled_training_step_matches_eager_and_compiles_once(name, lr):
         first, *rest = list(m.parameters())
         start = torch.tensor(1e-2) if lr == "tensor" else 1e-2
         opts.append(OPTIMIZERS[name]([dict(params=[first]), dict(params=rest, weight_decay=0.0)],
-                                     lr=start, weight_decay=0.1, backend="fused"))
+                                     lr=start, weight_decay=0.1, backend="fused",
+                                     state_dtype=state_dtype))
     scheds = [torch.optim.lr_scheduler.ExponentialLR(o, gamma=0.9) for o in opts]
     x, y = torch.randn(32, 16, device=DEVICE), torch.randn(32, 4, device=DEVICE)
 
@@ -87,7 +91,7 @@ def test_compiled_training_step_matches_eager_and_compiles_once(name, lr):
             s.step()
         frames.append(counter.frame_count)
     assert frames[2] == frames[-1], frames  # a graph per step would hit the recompile limit
-    assert_states_close(opts[1], list(compiled.parameters()), opts[0], list(eager.parameters()))
+    assert_same_bits(opts[1], list(compiled.parameters()), opts[0], list(eager.parameters()))
 
 
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
