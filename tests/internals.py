@@ -272,7 +272,7 @@ def shipped_triton_launch_configs():
 
 
 
-# --- state in a dtype of its own (pnm_kernels/params.py) ------------------------------------
+# --- state in a dtype of its own (pnm_kernels/state.py, params.py) ---------------------------
 
 def ensure_state(state, param, names, dtype=None, seed=None):
     """What a step does to a parameter's state entry before stepping it: the buffers `names`
