@@ -309,14 +309,20 @@ class StepInBackward:
         return stepped
 
     @property
+    def _unended(self) -> bool:
+        """A backward pass that came to a bucket has not ended since: if no step() or
+        zero_grad() came, it raised midway (an OOM, say): a pass's end never comes then."""
+        return self._flush_queued or (self.reduced_steps is not None
+                                      and self.reduced_steps.unended())
+
+    @property
     def _awaiting_step(self) -> bool:
-        """A backward pass past the probe stepped inside itself and ended (a failed one's
-        end never came): it awaits the step() the ordinary loop calls next."""
-        return self._pass_stepped and not self._flush_queued and not self._probing
+        """A pass past the probe stepped inside itself and ended: step() should come next."""
+        return self._pass_stepped and not self._unended and not self._probing
 
     def zeroing(self, set_to_none: bool) -> None:
         """optimizer.zero_grad(set_to_none) was called."""
-        failed = self._flush_queued  # a pass whose end never came: it raised (an OOM, say)
+        failed = self._unended
         if self._awaiting_step:
             # Said, not prevented: nothing showed that this pass would not step.
             raise RuntimeError(
@@ -353,7 +359,7 @@ class StepInBackward:
         gradients); a failed pass's (recovery from a checkpoint) is not."""
         # A failed pass's buckets stepped with the state before: the ordinary step would step
         # the loaded one with their gradients, unless zero_grad() skips the batch first.
-        self._loaded_after_failure |= self._pass_stepped and self._flush_queued
+        self._loaded_after_failure |= self._pass_stepped and self._unended
         if self._awaiting_step:
             raise RuntimeError(
                 "step_in_backward: load_state_dict() between a backward pass and its step(): "

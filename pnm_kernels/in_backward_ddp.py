@@ -123,6 +123,9 @@ class ReducedSteps:
         self._stepped: dict = {}  # id(p) -> p, stepped inside backward since the last step()
         self._set_aside: list = []  # (p, its gradient) while step() runs
         self._sums: list = []  # the probe's: futures of the averaged gradients' bit sums
+        # The backward passes (graph tasks) a bucket came to since the last step() that have
+        # not ended: one that raised (an OOM the loop catches) never ends.
+        self._unended: set = set()
 
     def bucket(self, bucket, reduced) -> None:
         """DDP is all-reducing this bucket (`reduced`: its future)."""
@@ -140,6 +143,11 @@ class ReducedSteps:
                 lambda _: [(p, fingerprint(g)[1]) for p, g in mine]))
             return
         handle.check_reduced_pass()
+        this_pass = backward_pass()
+        if this_pass not in self._unended:  # a reentrant checkpoint's nested pass: its own
+            self._unended.add(this_pass)
+            torch.autograd.Variable._execution_engine.queue_callback(
+                lambda: self._unended.discard(this_pass))
         if self._pending:
             self._step(*self._pending)
         self._pending = (mine, reduced)
@@ -162,9 +170,15 @@ class ReducedSteps:
         """DDP's last bucket is reduced but not stepped: step() steps it."""
         return bool(self._pending)
 
+    def unended(self) -> bool:
+        """A backward pass that came to a bucket since the last step() or zero_grad() never
+        ended: it raised midway."""
+        return bool(self._unended)
+
     def before_step(self) -> None:
         """step() after a backward pass: its last bucket steps, then what stepped inside
         backward is set aside from the ordinary step."""
+        self._unended = set()
         if self._pending:
             pending, self._pending = self._pending, ()
             self._step(*pending)
@@ -181,7 +195,7 @@ class ReducedSteps:
     def zeroing(self) -> None:
         """zero_grad() before any step(): a pass (failed, or whose step was skipped) leaves
         its last bucket unstepped, as the ordinary loop would."""
-        self._pending, self._stepped = (), {}
+        self._pending, self._stepped, self._unended = (), {}, set()
 
     def probed(self) -> None:
         """The probe's step: the bit sums of the averages DDP reduced (which it copies into

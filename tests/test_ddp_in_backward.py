@@ -4,6 +4,7 @@ bitwise the ordinary step, gradients left as DDP leaves them, micro-batches accu
 clipping refused before anything moves; three gloo ranks bitwise ordinary DDP training. Two
 ranks: the ddp-in-backward mode of test_distributed.py."""
 import contextlib
+import copy
 import os
 import sys
 import tempfile
@@ -138,6 +139,59 @@ def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not opt.state
+
+
+class _FailsInBackward(torch.autograd.Function):
+    """Identity forward; its backward raises (an out-of-memory error, say)."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        raise RuntimeError("simulated failure in backward")
+
+
+@pytest.mark.parametrize("recovery", ["batch-skipped", "checkpoint-loaded"])
+def test_a_ddp_backward_pass_failing_after_buckets_stepped_is_told_from_one_that_ended(
+        one_rank, recovery):
+    """A pass that raises after DDP's later buckets stepped (a bucket a layer): zero_grad()
+    says they stay stepped (§9's failed pass, not refused as a step skipped), and a checkpoint
+    loads, but step() after it with no zero_grad() between is refused, nothing stepped. DDP
+    itself then refuses the next forward, as under the ordinary step: a failed pass's batch
+    cannot be skipped under DDP."""
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(128, 31), torch.nn.Tanh(),
+                                torch.nn.Linear(31, 128), torch.nn.Tanh(),
+                                torch.nn.Linear(128, 4)).to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model, bucket_cap_mb=2**-12)
+    opt = PNM(ddp.parameters(), lr=1e-2)
+    opt.step_in_backward(ddp=ddp)
+    xs = torch.randn(4, 8, 128, generator=torch.Generator().manual_seed(1)).to(ONE_RANK_DEVICE)
+    for x in xs[:3]:  # DDP's first iteration (one bucket), the probe, buckets of a layer
+        opt.zero_grad()
+        ddp(x).square().mean().backward()
+        opt.step()
+    saved = copy.deepcopy(opt.state_dict())
+    opt.zero_grad()
+    early = _FailsInBackward.apply(model[0](xs[3])).sum()  # its backward runs last
+    with pytest.raises(RuntimeError, match="simulated failure"):
+        (early + ddp(xs[3]).square().mean()).backward()
+    steps = [int(opt.state[p]["step"]) for p in model.parameters()]
+    assert steps[:2] == [3, 3] and steps[-2:] == [4, 4]  # the last layer's bucket stepped
+    if recovery == "checkpoint-loaded":
+        opt.load_state_dict(saved)
+        params = [p.detach().clone() for p in model.parameters()]
+        with pytest.raises(RuntimeError, match=r"step\(\) after a backward pass that failed "
+                                               r"midway and a load_state_dict"):
+            opt.step()
+        assert all(torch.equal(a, p) for a, p in zip(params, model.parameters()))
+        assert [int(opt.state[p]["step"]) for p in model.parameters()] == [3] * 6
+    with pytest.warns(UserWarning, match="failed midway: the buckets it stepped"):
+        opt.zero_grad()
+    with pytest.raises(RuntimeError, match="Expected to have finished reduction"):
+        ddp(xs[0]).square().mean().backward()
 
 
 def test_an_lr_set_between_backward_and_step_after_the_probe_says_ddps_last_bucket_takes_it(
