@@ -1,7 +1,7 @@
 // WrittenMemory, the custom class torch.classes.pnm_kernels.WrittenMemory: where the tensors a
 // step writes lie (held parameters, buffers, step counters), so that a gradient put into that
 // memory between steps (`p.grad = q.data`, a buffer of q's state) is seen by the steps that
-// build no lists, where every tensor's memory was checked (docs/design.md §5).
+// build no lists, where every tensor's memory was checked (docs/edits.md).
 #pragma once
 
 #include <ATen/core/Tensor.h>

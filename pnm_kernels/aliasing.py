@@ -1,4 +1,4 @@
-"""The memory a step writes is its own (docs/design.md §5): no tensor of a parameter's state
+"""The memory a step writes is its own (docs/edits.md): no tensor of a parameter's state
 that the step reads (a buffer, its int8 scales, the counter, the seed) may be, or share memory
 with, another such tensor, a parameter, a gradient or a tensor lr of the step; no parameter
 or state tensor may have elements that share memory (an expanded view). Gradients (and a

@@ -148,7 +148,7 @@ def _check_traced_tensors(steps: list, written: list, read: list, layouts: list)
       so) would be stepped by code traced for the old ones (inductor's kernels read the new
       memory as the old dtype). Refused by _refuse_changed_tensor.
     - that no two tensors it writes share memory, nor a gradient or tensor lr one of them
-      (docs/design.md §5): `p.grad = q.data` or a state tensor made a view of another's after
+      (docs/edits.md): `p.grad = q.data` or a state tensor made a view of another's after
       tracing would step aliased memory. A screen of the extents; on a hit,
       _refuse_shared_memory.
     In C++ where the extension is built (a few numbers a tensor at every step). Declared as

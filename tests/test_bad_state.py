@@ -1,6 +1,6 @@
 """State no step can use, whether given new data, shared, set by hand or loaded, is refused
 at the step naming the parameter (and the key), before anything is touched: no parameter,
-state buffer or step counter changes, in any group (docs/design.md §5)."""
+state buffer or step counter changes, in any group (docs/edits.md)."""
 import copy
 import re
 

@@ -10,7 +10,7 @@ import torch
 from conftest import make_params, requires_extension
 from pnm_kernels._ops import cuda_chunk_size, set_launch_limits
 
-# The ops' step counters: float64 (exact to 2^53 steps; docs/design.md §5)
+# The ops' step counters: float64 (exact to 2^53 steps; docs/edits.md, "Step counters")
 STEP = torch.float64
 
 pytestmark = requires_extension

@@ -114,6 +114,28 @@ def test_every_markdown_document_a_file_names_exists():
     assert not missing, "\n".join(sorted(missing))
 
 
+def _section_anchors(markdown: str) -> set:
+    """The anchors GitHub gives a document's headings (outside code blocks)."""
+    prose = re.sub(r"```.*?```", "", markdown, flags=re.S)
+    return {re.sub(r"[^\w\- ]", "", title.strip().lower()).replace(" ", "-")
+            for title in re.findall(r"^#+\s+(.*)$", prose, re.M)}
+
+
+def test_every_link_to_a_section_names_a_heading_of_its_document():
+    """A heading renamed or moved to another document leaves no link pointing nowhere."""
+    documents = [p for p in _tracked() if p.suffix == ".md" and p.exists()]
+    anchors = {p.resolve(): _section_anchors(p.read_text()) for p in documents}
+    broken = []
+    for path in documents:
+        for target, section in re.findall(r"\]\(([^)\s#]*)#([\w-]+)\)", path.read_text()):
+            if target and not target.endswith(".md"):
+                continue
+            document = (path.parent / target).resolve() if target else path.resolve()
+            if section not in anchors.get(document, set()):
+                broken.append(f"{path.relative_to(ROOT)}: {target}#{section}")
+    assert not broken, "\n".join(broken)
+
+
 def test_the_tracked_files_total_at_most_3_mb():
     total = sum(p.stat().st_size for p in _tracked() if p.exists())
     assert total <= 3 * 1024 * 1024, f"{total / 2**20:.1f} MiB tracked"

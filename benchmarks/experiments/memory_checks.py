@@ -1,4 +1,4 @@
-"""Host time of the memory checks (docs/design.md §5; pnm_kernels/aliasing.py): a step that
+"""Host time of the memory checks (docs/edits.md; pnm_kernels/aliasing.py): a step that
 builds its lists again (after an edit of the state: every parameter, gradient and state
 tensor claimed and swept), and a repeated step (each held tensor's memory compared in the
 op's own pass). AdaPNM-AMSGrad, fused, many small tensors: host work, not memory traffic.

@@ -1,4 +1,4 @@
-"""Host time of the check that no gradient lies in memory a step writes (docs/design.md §5,
+"""Host time of the check that no gradient lies in memory a step writes (docs/edits.md,
 csrc/written_memory.h): a repeated step (float32 state: its gradients looked up in C++) and a
 planned one (bfloat16 state: every cached batch's gradients, read in C++), with the check
 and without it (an empty WrittenMemory under the repeated step's lists; the planned step's
