@@ -23,7 +23,7 @@ import torch
 from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, managed_by,
                               refuse_ddp)
 from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
-from .hyper import signature
+from .in_backward_hypers import CHANGED, HypersAtBackward
 from .params import is_param_list, local
 
 
@@ -62,9 +62,9 @@ class StepInBackward:
         # parameters made of views of one buffer share one counter, and `p.data.clamp_()`
         # bumps none that p has)
         self._param_bits: dict = {}
-        # Each group's hyper-parameters when this step's first gradient was made, to find those
-        # changed between backward and step(), which the buckets stepped without.
-        self._hypers_at_backward: dict | None = None
+        # To find hyper-parameters set between backward and step(), which the buckets stepped
+        # without.
+        self._hypers = HypersAtBackward(optimizer)
         # zero_grad(set_to_none=False) keeps a zero gradient for every parameter that ever had
         # one, and the ordinary step steps it: the parameters ever stepped, and those since the
         # last step(), to step the others with zeros as it would.
@@ -159,22 +159,24 @@ class StepInBackward:
             self._optimizer._in_backward = None
 
     def _give_back_zeros(self) -> None:
-        """Under zero_grad(set_to_none=False) the ordinary loop keeps a zero gradient for
-        every parameter that ever had one (freed here, but for those stepped since the last
-        step()), and the ordinary step steps those the loss no longer reaches."""
-        if self._zero_filled and not self._probing:
+        """The gradients freed here that the ordinary loop would hold (the last step()'s until
+        zero_grad(); zeros under zero_grad(set_to_none=False)), given back as zeros, which
+        either zero_grad() leaves as it would; a pass awaiting its step() gets its after it."""
+        if not self._probing:
             for p in self._zero_filled_missing():
                 p.grad = torch.zeros_like(p)
+            _ZerosAfterStep(self._optimizer, [p for p in self.still_stepped(
+                self._ever[key] for key in self._since_step if key in self._ever)
+                if _freed(p, self._reduced_here)])
         self._ever, self._since_step = {}, set()
 
     def _zero_filled_missing(self) -> list:
-        """The parameters that, under zero_grad(set_to_none=False), would hold a zero
-        gradient the ordinary step steps, but hold none: they had one once and were freed
-        here, not since the last step(), and are still the optimizer's (not DDP's, whose
-        gradients stay)."""
+        """Those that the ordinary loop would hold a gradient for (a zero one under
+        zero_grad(set_to_none=False)) but hold none: freed here, not since the last step(),
+        still the optimizer's, not DDP's (whose gradients stay)."""
         return self.still_stepped(p for key, p in self._ever.items()
-                                  if key not in self._since_step and p.grad is None
-                                  and key not in self._reduced_here)
+                                  if key not in self._since_step
+                                  and _freed(p, self._reduced_here))
 
     def __enter__(self) -> "StepInBackward":
         return self
@@ -261,7 +263,7 @@ class StepInBackward:
         returns them."""
         params = self.still_stepped(params)
         if params:
-            self._note_hypers()
+            self._hypers.note()
             self._optimizer._step_only(params, first_of_pass=not self._pass_stepped)
         for p in params:
             if free:
@@ -283,7 +285,7 @@ class StepInBackward:
     def record(self, p, grad, bits) -> None:
         """The probe's record of p's gradient: one more backward pass reached it, and at its
         end the gradient was `grad` (None: whichever p holds) of these bits (a fingerprint)."""
-        self._note_hypers()
+        self._hypers.note()
         _, passes, _, _ = self._seen.get(id(p), (p, 0, None, None))
         self._seen[id(p)] = (p, passes + 1, grad, bits)
         self._param_bits[id(p)] = fingerprint(p.detach())[1]
@@ -346,7 +348,7 @@ class StepInBackward:
         self._stepped_since_zeroing = self._freed_since_zeroing = False
         self._loaded_after_failure = False
         self._probe_grads = {}
-        self._hypers_at_backward = None
+        self._hypers.forget()
         if self.reduced_steps is not None:
             self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
@@ -378,6 +380,8 @@ class StepInBackward:
                                "steps inside it already; call backward, then step()")
         if scaling.grad_scale is not None or scaling.found_inf is not None:
             self._seen = {}
+            for name in ("grad_scale", "found_inf"):  # GradScaler drops them only after a step
+                self._optimizer.__dict__.pop(name, None)  # that returned: not to stay behind
             raise RuntimeError(
                 "step_in_backward does not work with torch.amp.GradScaler: an inf found in one "
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
@@ -396,17 +400,19 @@ class StepInBackward:
                 "and no zero_grad(): the ordinary step would step the last pass's gradients "
                 "again, but they stepped inside backward and were freed. Call step() once "
                 "a backward pass, or use the ordinary step")
-        changed = self._hyper_changed_since_backward()
+        changed = self._hypers.changed()
         if not self._probing:
             self._stepped_since_zeroing = True
             # what the ordinary step would step with a zero gradient
             missing = self._zero_filled_missing() if self._zero_filled else []
             if changed is not None:  # stepped already: said, not refused mid-training
-                now = missing or (self.reduced_steps is not None and self.reduced_steps.pending())
-                warnings.warn(_CHANGED.format(changed, "the buckets stepped inside backward used "
-                              "the value before" + (", what steps now (DDP's last bucket, zero "
-                              "gradients kept) the new one" if now else "; the new one applies "
-                              "from the next backward pass")), stacklevel=3)
+                now = missing or self._left_to_step()
+                warnings.warn(CHANGED.format(changed, "the buckets stepped inside backward used "
+                              "the value before" + (", what step() steps now (gradients no "
+                              "bucket took: DDP's last bucket, zero gradients kept, sums of "
+                              "micro-batches the last pass missed) the new one" if now else
+                              "; the new one applies from the next backward pass")),
+                              stacklevel=3)
             if missing:
                 for p in missing:
                     p.grad = torch.zeros_like(p)
@@ -415,7 +421,7 @@ class StepInBackward:
             if self.reduced_steps is not None:  # DDP's last bucket; what stepped kept aside
                 self.reduced_steps.before_step()
             self._pass_stepped = False
-            self._hypers_at_backward = None  # noted by the steps just above, not in backward
+            self._hypers.forget()  # noted by the steps just above, not in backward
             return True  # steps only what still has a gradient (none, in the usual loop)
         if self.reduced_steps is not None:
             self.reduced_steps.probed()  # the sums of the gradients DDP reduced
@@ -424,7 +430,7 @@ class StepInBackward:
         if not seen:  # no backward pass before this step (a step before training, DCP's
             return True  # state initialisation): the probe is the next one
         if changed is not None:
-            raise RuntimeError(_CHANGED.format(changed, "nothing was stepped"))
+            raise RuntimeError(CHANGED.format(changed, "nothing was stepped"))
         for p, passes, _, _ in seen.values():
             if passes > 1:
                 raise RuntimeError(_TWICE.format(
@@ -440,28 +446,11 @@ class StepInBackward:
                              for p in params if p.grad is not None}
         return True
 
-    def _note_hypers(self) -> None:
-        """The groups' hyper-parameters as this step's first gradient is made."""
-        if self._hypers_at_backward is None:
-            keys = _step_keys(self._optimizer)
-            self._hypers_at_backward = {id(group): (group, signature(group, keys))
-                                        for group in self._optimizer.param_groups}
-
-    def _hyper_changed_since_backward(self) -> str | None:
-        """Where a hyper-parameter was changed since this step's first gradient was made
-        (`param_groups[i]['key']`), or None."""
-        seen, self._hypers_at_backward = self._hypers_at_backward, None
-        if seen is None:
-            return None
-        keys = _step_keys(self._optimizer)
-        for gi, group in enumerate(self._optimizer.param_groups):
-            before = seen.get(id(group))
-            if before is None or before[0] is not group:
-                continue  # a group added since: it had nothing stepped
-            for key, old, new in zip(keys, before[1], signature(group, keys)):
-                if old != new:
-                    return f"param_groups[{gi}][{key!r}]"
-        return None
+    def _left_to_step(self) -> bool:
+        """Gradients no bucket took, which step() steps (DDP's keep theirs: not those)."""
+        return ((self.reduced_steps is not None and self.reduced_steps.pending())
+                or any(p.grad is not None and id(p) not in self._reduced_here
+                       for group in self._optimizer.param_groups for p in group["params"]))
 
     def after_step(self) -> None:
         """optimizer.step() is done (or raised): DDP's gradients kept aside are back."""
@@ -475,26 +464,37 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "whole gradient, as soon as it is made): to accumulate gradients over micro-batches, "
           "run all but the last inside `with handle.accumulating():`; a parameter reached in "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
-          "from each nested backward pass: checkpoint with use_reentrant=False")
+          "from each nested backward pass: checkpoint with use_reentrant=False; after a "
+          "backward pass that failed midway, skip its batch with optimizer.zero_grad() (the "
+          "model's zero_grad() is not seen)")
 
 _AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
 
 # A backward pass after step() whose gradients the ordinary loop would add to the last ones.
 _UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but the last "
              "pass's gradients stepped inside backward and were freed. Call "
-             "optimizer.zero_grad() between step() and the next backward pass (a pass that "
-             "only measures something: torch.autograd.grad, which fills no .grad)")
+             "optimizer.zero_grad() between step() and the next backward pass (the model's "
+             "zero_grad() is not seen; a pass that only measures something: "
+             "torch.autograd.grad, which fills no .grad)")
 
-# A hyper-parameter set between backward and step(): the ordinary step would use it now.
-_CHANGED = ("step_in_backward: {} was changed between backward and step(): inside backward "
-            "each parameter steps as soon as its gradient is made, with the hyper-parameters "
-            "set then ({}). Change hyper-parameters before backward: step LR schedulers after "
-            "optimizer.step()")
+def _freed(p, reduced_here) -> bool:  # no gradient left, and not DDP's (DDP keeps them)
+    return p.grad is None and id(p) not in reduced_here
 
 
-def _step_keys(optimizer) -> tuple:
-    """The group keys that change what a step computes (the backend only how)."""
-    return tuple(key for key in optimizer._keys if key != "backend")
+class _ZerosAfterStep:
+    """After the step() of the pass the handle was removed in: a zero gradient for each
+    parameter that stepped in it, where the ordinary loop would still hold its gradient."""
+
+    def __init__(self, optimizer, params) -> None:
+        self._owed = [weakref.ref(p) for p in params]
+        self._hook = optimizer.register_step_post_hook(self) if params else None
+
+    def __call__(self, *_) -> None:
+        if self._hook is not None:
+            self._hook.remove()
+        for p in (ref() for ref in self._owed):
+            if p is not None and p.grad is None:
+                p.grad = torch.zeros_like(p)
 
 
 __all__ = ["StepInBackward"]

@@ -5,7 +5,9 @@ groups added, a parameter taken out of its group or moved into another, a state_
 loaded, params set by hand as no list. Each gives the ordinary loop's parameters and state
 bitwise, or is refused naming the group before anything moved (or, what only shows after
 the probe, said)."""
+import contextlib
 import copy
+import re
 
 import pytest
 import torch
@@ -71,9 +73,10 @@ def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_l
     assert_same_bits(opt_a, params_a, opt_b, params_b)
 
 
-def _removed_mid_training(in_backward, backend, remove_at):
-    """zero_grad(set_to_none=False); the handle removed at step 2, before zero_grad or
-    between backward and step(); the second layer unreached from then on."""
+def _removed_mid_training(in_backward, backend, remove_at, unreached_from, to_none):
+    """The handle removed at step 2, before zero_grad or between backward and step(); the
+    second layer unreached from step `unreached_from` on; zero_grad(set_to_none=) at step k
+    as the k-th letter of `to_none` ("T" or "F") says."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
     opt = PNM([*a.parameters(), *b.parameters()], lr=0.1, weight_decay=0.1, backend=backend)
@@ -82,30 +85,41 @@ def _removed_mid_training(in_backward, backend, remove_at):
     for k in range(5):
         if k == 2 and handle is not None and remove_at == "before-zero-grad":
             handle.remove()
-        opt.zero_grad(set_to_none=False)
+        opt.zero_grad(set_to_none=to_none[k] == "T")
         x = torch.randn(8, 4, generator=gen)
-        (b(a(x)) if k < 2 else a(x)).square().mean().backward()
+        (b(a(x)) if k < unreached_from else a(x)).square().mean().backward()
         if k == 2 and handle is not None and remove_at == "before-step":
             handle.remove()
         opt.step()
     return [a, b], opt
 
 
-@pytest.mark.parametrize("remove_at", ["before-zero-grad", "before-step"])
+@pytest.mark.parametrize("remove_at, unreached_from, to_none, steps_of_the_unreached", [
+    ("before-zero-grad", 2, "FFFFF", 5),
+    ("before-step", 2, "FFFFF", 5),
+    ("before-step", 3, "FFFFF", 5),  # the layer stepped in the pass the handle was removed in
+    ("before-zero-grad", 2, "TTFFF", 5),  # the pass before zeroed to None, then in place
+    ("before-step", 3, "TTTTF", 3),  # zeroed to None after the removal: the layer stops
+    ("before-zero-grad", 2, "TTTFF", 2),  # zeroed to None at the removal: it stops there
+])
 @pytest.mark.parametrize("backend", ["reference", "fused"])
-def test_removed_under_zero_filled_gradients_the_ordinary_step_steps_what_it_would(backend,
-                                                                                  remove_at):
-    """The step in backward freed the gradients the ordinary loop would keep (zeros, under
-    zero_grad(set_to_none=False)): remove() gives them back, so the ordinary step goes on
-    stepping the layer the loss no longer reaches; removed between backward and step(),
-    that step() still completes the pass's step as the handle would."""
-    (layers, opt), (ordinary, ordinary_opt) = (_removed_mid_training(True, backend, remove_at),
-                                               _removed_mid_training(False, backend, remove_at))
+def test_removed_mid_training_the_ordinary_step_steps_what_it_would(
+        backend, remove_at, unreached_from, to_none, steps_of_the_unreached):
+    """The step in backward freed gradients the ordinary loop would still hold (the last
+    step()'s until zero_grad(), zeros under zero_grad(set_to_none=False)): remove() gives
+    them back as zeros, which either zero_grad() leaves as the ordinary loop's, so the
+    ordinary step goes on stepping a layer the loss no longer reaches exactly when it would;
+    removed between backward and step(), that step() still completes the pass's step as the
+    handle would, and the parameters stepped in the pass get theirs after it."""
+    runs = [_removed_mid_training(in_backward, backend, remove_at, unreached_from, to_none)
+            for in_backward in (True, False)]
+    (layers, opt), (ordinary, ordinary_opt) = runs
     params = [p for layer in layers for p in layer.parameters()]
     ordinary_params = [p for layer in ordinary for p in layer.parameters()]
-    assert [int(opt.state[p]["step"]) for p in params] == [5] * 4
+    assert [int(opt.state[p]["step"]) for p in params] == [5, 5] + [steps_of_the_unreached] * 2
     for p, q in zip(params, ordinary_params):
-        assert torch.equal(p, q) and torch.equal(p.grad, q.grad)
+        assert torch.equal(p, q) and (p.grad is None) == (q.grad is None)
+        assert p.grad is None or torch.equal(p.grad, q.grad)
         assert all(torch.equal(v, ordinary_opt.state[q][k]) for k, v in opt.state[p].items())
     assert step_in_backward_handle(opt) is None
 
@@ -513,6 +527,51 @@ def test_an_lr_set_between_backward_and_step_after_the_probe_is_said_and_applies
         in_backward = _lr_set_between_backward_and_step(True, set_at=2, lr_kind=lr_kind)
     _assert_same(*_lr_set_between_backward_and_step(False, set_at=2, lr_kind=lr_kind),
                  *in_backward)
+
+
+def _lr_set_after_micro_batches_the_last_pass_misses(in_backward, lr_set_before_step):
+    """Past the probe, micro-batches inside accumulating() reach both layers, the last pass
+    only the first; the lr is set before step() or after it."""
+    import warnings
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
+    opt = PNM([*a.parameters(), *b.parameters()], lr=1e-2)
+    handle = opt.step_in_backward(bucket_mib=1e-6) if in_backward else None
+    gen = torch.Generator().manual_seed(1)
+    caught = []
+    for t in range(3):
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=gen)
+        if t == 2:
+            with handle.accumulating() if handle else contextlib.nullcontext():
+                b(a(x)).square().mean().backward()
+            a(x).square().mean().backward()
+            if lr_set_before_step:
+                opt.param_groups[0]["lr"] = 5e-2
+        else:
+            b(a(x)).square().mean().backward()
+        with warnings.catch_warnings(record=True) as caught_now:
+            warnings.simplefilter("always")
+            opt.step()
+        caught += [str(w.message) for w in caught_now]
+        if t == 2 and not lr_set_before_step:
+            opt.param_groups[0]["lr"] = 5e-2
+    return [*a.parameters()], [*b.parameters()], caught
+
+
+def test_an_lr_set_before_step_applies_now_to_sums_no_bucket_took_and_the_warning_says_so():
+    """The last pass missed the second layer: its micro-batches' sum steps in step(), with
+    the lr set before it (as the ordinary step would), while the first layer stepped inside
+    backward with the lr before; the warning says both."""
+    first, second, caught = _lr_set_after_micro_batches_the_last_pass_misses(True, True)
+    assert len(caught) == 1 and re.search(
+        r"used the value before, what step\(\) steps now \(gradients no bucket took.*\) "
+        r"the new one", caught[0])
+    first_set_after, _, _ = _lr_set_after_micro_batches_the_last_pass_misses(False, False)
+    _, second_set_before, _ = _lr_set_after_micro_batches_the_last_pass_misses(False, True)
+    assert all(torch.equal(p, q) for p, q in zip(first, first_set_after))
+    assert all(torch.equal(p, q) for p, q in zip(second, second_set_before))
 
 
 def test_hyper_parameters_set_before_backward_are_neither_refused_nor_said():

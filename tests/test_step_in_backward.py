@@ -170,6 +170,27 @@ def test_grad_scaler_is_refused_before_anything_moves():
     _refused_in_the_probe(loop, r"GradScaler")
 
 
+def test_a_refused_grad_scaler_leaves_no_scale_behind_for_the_ordinary_step():
+    """GradScaler deletes optimizer.grad_scale and found_inf only after a step that returned:
+    the refusal drops them, so that the ordinary step after handle.remove() does not unscale
+    by a stale scale (nor is every later step refused as GradScaler's)."""
+    model, ordinary = _model(), _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    ordinary_opt = AdaPNM(ordinary.parameters(), lr=1e-2)
+    handle = opt.step_in_backward()
+    scaler = torch.amp.GradScaler("cpu")
+    scaler.scale(model(_batches(1)[0]).pow(2).mean()).backward()
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        scaler.step(opt)
+    assert not hasattr(opt, "grad_scale") and not hasattr(opt, "found_inf")
+    handle.remove()
+    for m, o in ((model, opt), (ordinary, ordinary_opt)):
+        o.zero_grad()
+        _train(m, o, _batches(3)[1:])
+    assert [float(opt.state[p]["step"]) for p in model.parameters()] == [2.0] * 6
+    _assert_same(model, opt, ordinary, ordinary_opt)
+
+
 def test_a_closure_is_refused():
     model = _model()
     opt = PNM(model.parameters(), lr=1e-2)
