@@ -23,6 +23,7 @@ import torch
 from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, managed_by,
                               refuse_ddp)
 from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
+from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
 from .params import is_param_list, local
 
@@ -69,8 +70,7 @@ class StepInBackward:
         # one, and the ordinary step steps it: the parameters ever stepped, and those since the
         # last step(), to step the others with zeros as it would.
         self._zero_filled = False
-        self._ever: dict = {}
-        self._since_step: set = set()
+        self._freed = FreedGradients(self._reduced_here)
         # What the ordinary loop would hold that the buckets freed: a step() since the last
         # zero_grad() (a backward pass now would add to its gradients), gradients freed since
         # it (a step() now would step them again). Whether the loop calls zero_grad() between
@@ -141,10 +141,11 @@ class StepInBackward:
     # -- the user's side -------------------------------------------------------------------
 
     def remove(self) -> None:
-        """The ordinary step again (gradients kept until optimizer.step()). Between a
-        backward pass that stepped inside it and step(), the pass's step is completed
-        first as far as it can be (DDP's last bucket steps; a parameter that stepped keeps
-        no gradient, so that the step() that follows steps only the others)."""
+        """The ordinary step again (gradients kept until optimizer.step()); the gradients
+        freed here that the ordinary loop would hold are given back as zeros. Between a
+        backward pass that stepped inside it and step(), the pass's step is completed first
+        as far as it can be (DDP's last bucket steps; a parameter that stepped has no gradient
+        until that step() is done, so that it steps only the others)."""
         for hook in self._hooks:
             hook.remove()
         self._hooks = []
@@ -154,29 +155,11 @@ class StepInBackward:
                 reduced.handles.remove(self.reduced_steps)
         if self.reduced_steps is not None and not self._probing:
             self.reduced_steps.before_step()  # the gradients set aside are not put back
-        self._give_back_zeros()
+        if not self._probing:
+            self._freed.give_back(self._optimizer, self.still_stepped, self._zero_filled,
+                                  self._stepped_since_zeroing)
         if getattr(self._optimizer, "_in_backward", None) is self:
             self._optimizer._in_backward = None
-
-    def _give_back_zeros(self) -> None:
-        """The gradients freed here that the ordinary loop would hold (the last step()'s until
-        zero_grad(); zeros under zero_grad(set_to_none=False)), given back as zeros, which
-        either zero_grad() leaves as it would; a pass awaiting its step() gets its after it."""
-        if not self._probing:
-            for p in self._zero_filled_missing():
-                p.grad = torch.zeros_like(p)
-            _ZerosAfterStep(self._optimizer, [p for p in self.still_stepped(
-                self._ever[key] for key in self._since_step if key in self._ever)
-                if _freed(p, self._reduced_here)])
-        self._ever, self._since_step = {}, set()
-
-    def _zero_filled_missing(self) -> list:
-        """Those that the ordinary loop would hold a gradient for (a zero one under
-        zero_grad(set_to_none=False)) but hold none: freed here, not since the last step(),
-        still the optimizer's, not DDP's (whose gradients stay)."""
-        return self.still_stepped(p for key, p in self._ever.items()
-                                  if key not in self._since_step
-                                  and _freed(p, self._reduced_here))
 
     def __enter__(self) -> "StepInBackward":
         return self
@@ -207,7 +190,7 @@ class StepInBackward:
         if self._probing:
             self._record(p)
             return
-        if id(p) in self._since_step:
+        if id(p) in self._freed.since_step:
             raise RuntimeError(_TWICE.format(
                 f"a second gradient was made for a parameter of shape {tuple(p.shape)} after "
                 "it had stepped inside backward, before the next step()"))
@@ -265,12 +248,10 @@ class StepInBackward:
         if params:
             self._hypers.note()
             self._optimizer._step_only(params, first_of_pass=not self._pass_stepped)
-        for p in params:
-            if free:
-                p.grad = None
-                self._freed_since_zeroing = True
-            self._ever[id(p)] = p
-            self._since_step.add(id(p))
+        for p in params if free else ():
+            p.grad = None
+            self._freed_since_zeroing = True
+        self._freed.stepped(params)
         return params
 
     def _forget_pending(self) -> None:
@@ -338,8 +319,7 @@ class StepInBackward:
             warnings.warn("step_in_backward: zero_grad() after a backward pass that failed "
                           "midway: the buckets it stepped before failing stay stepped (the "
                           "ordinary loop, skipping the batch, would step none)", stacklevel=3)
-        if failed:  # its batch skipped: what stepped stays stepped, the next pass steps anew
-            self._since_step = set()
+        if failed:
             self._pass_stepped = False
         if self._probing:  # the gradients the probe saw are gone: it starts again
             self._seen, self._param_bits = {}, {}
@@ -352,8 +332,7 @@ class StepInBackward:
         if self.reduced_steps is not None:
             self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
-        if set_to_none:  # no gradient left for the ordinary step to step with zeros later
-            self._ever = {}
+        self._freed.zeroed(set_to_none, failed)
 
     def before_load(self) -> None:
         """optimizer.load_state_dict() is called: refused between a backward pass that stepped
@@ -404,7 +383,8 @@ class StepInBackward:
         if not self._probing:
             self._stepped_since_zeroing = True
             # what the ordinary step would step with a zero gradient
-            missing = self._zero_filled_missing() if self._zero_filled else []
+            missing = (self._freed.zero_filled_missing(self.still_stepped)
+                       if self._zero_filled else [])
             if changed is not None:  # stepped already: said, not refused mid-training
                 now = missing or self._left_to_step()
                 warnings.warn(CHANGED.format(changed, "the buckets stepped inside backward used "
@@ -417,7 +397,7 @@ class StepInBackward:
                 for p in missing:
                     p.grad = torch.zeros_like(p)
                 self._step_and_free(missing)
-            self._since_step = set()
+            self._freed.step_done()
             if self.reduced_steps is not None:  # DDP's last bucket; what stepped kept aside
                 self.reduced_steps.before_step()
             self._pass_stepped = False
@@ -439,8 +419,7 @@ class StepInBackward:
         refuse_changed_at_the_probe(seen, param_bits)
         self._probing = False
         params = [p for group in self._optimizer.param_groups for p in group["params"]]
-        self._ever = {id(p): p for p in params if p.grad is not None}  # the probe steps these
-        self._since_step = set()
+        self._freed.probe_stepped(p for p in params if p.grad is not None)
         self._stepped_since_zeroing = True
         self._probe_grads = {id(p): (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
                              for p in params if p.grad is not None}
@@ -476,25 +455,5 @@ _UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but th
              "optimizer.zero_grad() between step() and the next backward pass (the model's "
              "zero_grad() is not seen; a pass that only measures something: "
              "torch.autograd.grad, which fills no .grad)")
-
-def _freed(p, reduced_here) -> bool:  # no gradient left, and not DDP's (DDP keeps them)
-    return p.grad is None and id(p) not in reduced_here
-
-
-class _ZerosAfterStep:
-    """After the step() of the pass the handle was removed in: a zero gradient for each
-    parameter that stepped in it, where the ordinary loop would still hold its gradient."""
-
-    def __init__(self, optimizer, params) -> None:
-        self._owed = [weakref.ref(p) for p in params]
-        self._hook = optimizer.register_step_post_hook(self) if params else None
-
-    def __call__(self, *_) -> None:
-        if self._hook is not None:
-            self._hook.remove()
-        for p in (ref() for ref in self._owed):
-            if p is not None and p.grad is None:
-                p.grad = torch.zeros_like(p)
-
 
 __all__ = ["StepInBackward"]

@@ -75,8 +75,9 @@ def test_zero_filled_gradients_and_a_failed_backward_pass_step_as_the_ordinary_l
 
 def _removed_mid_training(in_backward, backend, remove_at, unreached_from, to_none):
     """The handle removed at step 2, before zero_grad or between backward and step(); the
-    second layer unreached from step `unreached_from` on; zero_grad(set_to_none=) at step k
-    as the k-th letter of `to_none` ("T" or "F") says."""
+    second layer unreached from step `unreached_from` on; at step k, as the k-th letter of
+    `to_none` says, optimizer.zero_grad(set_to_none=True) ("T") or False ("F"), or
+    model.zero_grad() ("M", which the optimizer does not see)."""
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
     opt = PNM([*a.parameters(), *b.parameters()], lr=0.1, weight_decay=0.1, backend=backend)
@@ -85,7 +86,10 @@ def _removed_mid_training(in_backward, backend, remove_at, unreached_from, to_no
     for k in range(5):
         if k == 2 and handle is not None and remove_at == "before-zero-grad":
             handle.remove()
-        opt.zero_grad(set_to_none=to_none[k] == "T")
+        if to_none[k] == "M":
+            a.zero_grad(), b.zero_grad()
+        else:
+            opt.zero_grad(set_to_none=to_none[k] == "T")
         x = torch.randn(8, 4, generator=gen)
         (b(a(x)) if k < unreached_from else a(x)).square().mean().backward()
         if k == 2 and handle is not None and remove_at == "before-step":
@@ -101,6 +105,8 @@ def _removed_mid_training(in_backward, backend, remove_at, unreached_from, to_no
     ("before-zero-grad", 2, "TTFFF", 5),  # the pass before zeroed to None, then in place
     ("before-step", 3, "TTTTF", 3),  # zeroed to None after the removal: the layer stops
     ("before-zero-grad", 2, "TTTFF", 2),  # zeroed to None at the removal: it stops there
+    ("before-step", 2, "MMMMM", 2),  # zeroed through the model: the handle does not see it
+    ("before-zero-grad", 2, "MMMMM", 2),
 ])
 @pytest.mark.parametrize("backend", ["reference", "fused"])
 def test_removed_mid_training_the_ordinary_step_steps_what_it_would(
