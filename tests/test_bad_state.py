@@ -10,7 +10,8 @@ import torch
 import cases
 from cases import FAST_PATHS
 from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_same_entry,
-                      assert_states_close, clone_params, make_params, train, with_reference)
+                      assert_states_close, clone_params, grads_for_step, make_params, train,
+                      with_reference)
 from internals import state_buffer_names, triton_only_install
 
 
@@ -120,11 +121,20 @@ BAD_STATE_VALUES = {
                    r"'seed' is nan, not a whole number within int64"),
     "a seed past int64": (lambda st, m: st.__setitem__("seed", 2**70),
                           r"'seed' is 1180591620717411303424, not a whole number within int64"),
+    "a fractional seed": (lambda st, m: st.__setitem__("seed", torch.tensor(2.5)),
+                          r"'seed' is 2.5, not a whole number within int64"),
+    # Only AdaPNM keeps a second moment, in unsigned codes.
+    "int8 codes of a second moment": (
+        lambda st, m: st.__setitem__("exp_avg_sq", st["exp_avg_sq"].view(torch.int8)),
+        r"'exp_avg_sq' holds torch.int8 codes where its codes are unsigned"),
     # State made by a dry run on a meta model.
     "a counter on the meta device": (lambda st, m: st.__setitem__("step", st["step"].to("meta")),
                                      r"'step' is on the meta device \(no data\)"),
     "a seed on the meta device": (lambda st, m: st.__setitem__("seed", st["seed"].to("meta")),
                                   r"'seed' is on the meta device \(no data\)"),
+    "a buffer on the meta device": (
+        lambda st, m: st.update({m: st[m].to("meta"), f"{m}_scale": st[f"{m}_scale"].to("meta")}),
+        r"'{m}' is on the meta device \(no data\), beside a parameter with data"),
 }
 
 
@@ -137,6 +147,8 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
     the key, before any parameter or state has changed."""
     if ("another device" in bad or "meta" in bad) and how == "loaded":
         pytest.skip("load_state_dict moves every tensor to its parameter's device")
+    if "second moment" in bad and name == "PNM":
+        pytest.skip("PNM keeps no second moment")
     momentum = "exp_avg" if name == "AdaPNM" else "pos_momentum"
     edit, culprit = BAD_STATE_VALUES[bad]
     params = make_params([(3, 200), (2, 128)])
@@ -355,6 +367,8 @@ GRADIENT_PLACES = {
         (0, lambda opt, params: params[1].data, (_where(0, 0), _where(0, 1))),
     "another parameter's state buffer":
         (0, lambda opt, params: _first_buffer(opt, params[1]), (_where(0, 0), _where(0, 1))),
+    "its own state buffer":
+        (1, lambda opt, params: _first_buffer(opt, params[1]), (_where(0, 1),)),
     "a parameter of another group":
         (2, lambda opt, params: params[0].data, (_where(1, 0), _where(0, 0))),
     "a parameter of a group never held":
@@ -370,9 +384,9 @@ GRADIENT_PLACES = {
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_a_gradient_put_into_memory_the_step_writes_is_refused_before_any_change(
         path, name, place, state_dtype):
-    """`p.grad = q.data` (or a buffer of q's state) after steps whose lists are held, and
-    repeated (state in the parameters' dtype, every group held) or planned each step
-    (bfloat16 state, or beside a group whose lists are built every step: foreach's), in one
+    """`p.grad = q.data` (or a buffer of q's state, or of p's own) after steps whose lists
+    are held, and repeated (state in the parameters' dtype, every group held) or planned each
+    step (bfloat16 state, or beside a group whose lists are built every step: foreach's), in one
     group, across groups, and across a group never held and a held one:
     each backend would read it before or after writing it, so every one refuses it, naming
     both, as the reference does."""
@@ -389,7 +403,7 @@ def test_a_gradient_put_into_memory_the_step_writes_without_the_compiled_extensi
 
 
 def _gradient_put_into_written_memory(path, name, place, state_dtype):
-    if state_dtype is not None and place == "another parameter's state buffer":
+    if state_dtype is not None and "state buffer" in place:
         pytest.skip("a bfloat16 buffer cannot be a float32 parameter's gradient")
     params = make_params([(8,), (8,), (8,), (8,)])
     third = "foreach" if "never held" in place else path  # else all held: the step repeats
@@ -514,6 +528,45 @@ def test_storage_shared_without_shared_memory_steps_as_separate_tensors_do(path,
                      *_interleaved_training(path, name, False, columns))
 
 
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_interleaved_parameters_past_the_runs_compared_step_as_separate_tensors_do(path, name):
+    """Two parameters that are every other element of one tensor, each of more runs (here
+    single elements) than aliasing compares, 2^22: their spans meet but they are taken as
+    apart, not refused (a false refusal would stop a training run, and such layouts are made
+    on purpose). Bitwise what separate tensors give."""
+    if path == "triton" and DEVICE == "cpu":
+        pytest.skip("8M elements a step: too slow under the Triton interpreter")
+    n = (1 << 22) + 1
+
+    def run(shared):
+        base = torch.randn(n, 2, generator=torch.Generator().manual_seed(0)).to(DEVICE)
+        params = [torch.nn.Parameter(v if shared else v.clone()) for v in (base[:, 0],
+                                                                            base[:, 1])]
+        opt = OPTIMIZERS[name](params, backend=path, lr=1e-2, weight_decay=0.1)
+        train(opt, params, 2)
+        return opt, params
+
+    assert_same_bits(*run(shared=True), *run(shared=False))
+
+
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_tensor_lr_in_a_gradients_memory_steps_as_the_reference(path, name):
+    """Not refused: a tensor lr is only read, as a gradient is, so it may be an element of
+    a gradient (here of another group's parameter), given anew before each step: the steps
+    agree with the reference."""
+    opt, params, ref, ref_params = with_reference(name, path, [(8,), (8,), (5,)])
+    for o, ps in ((opt, params), (ref, ref_params)):
+        o.param_groups[0]["params"] = ps[:2]
+        o.add_param_group(dict(params=ps[2:]))
+        train(o, ps, 2)
+        for t in range(4):
+            for p, g in zip(ps, grads_for_step(ps, t)):
+                p.grad = g.abs() * 1e-2  # its elements are valid lrs
+            o.param_groups[0]["lr"] = ps[2].grad[t]
+            o.step()
+    assert_states_close(opt, params, ref, ref_params)
+
+
 @pytest.mark.parametrize("first", ["with the other", "alone"])
 @pytest.mark.parametrize("second", ["held", "never held"])
 @pytest.mark.parametrize("edit", ["buffer", "parameter"])
@@ -604,6 +657,32 @@ def test_a_parameter_whose_elements_share_memory_is_refused_before_any_change(pa
     before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
     _assert_step_refused_untouched(
         opt, params, r"params'\]\[1\].* has elements that share memory \(an expanded")
+    for p, entry in before.items():
+        assert_same_entry(entry, opt.state[p])
+
+
+@pytest.mark.parametrize("how", ["put", "data"])
+@pytest.mark.parametrize("data", list(SELF_OVERLAPPING))
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_state_buffer_whose_elements_share_memory_is_refused_before_any_change(path, name,
+                                                                                 data, how):
+    """As a parameter's: a state buffer whose own elements share memory (an expanded view,
+    windows over one another), put under its key or given as its tensor's data after steps
+    (the lists held), would have elements written twice. Refused naming the parameter and
+    the key, before any parameter (here the one ahead of it) or state changes."""
+    overlapping = SELF_OVERLAPPING[data]()
+    params = make_params([(5,), tuple(overlapping.shape)])
+    opt = OPTIMIZERS[name](params, backend=path)
+    train(opt, params, 3)
+    key = state_buffer_names(opt)[0]
+    if how == "put":
+        opt.state[params[1]][key] = overlapping
+    else:
+        opt.state[params[1]][key].data = overlapping
+    before = {p: {k: v.clone() for k, v in opt.state[p].items()} for p in opt.state}
+    _assert_step_refused_untouched(
+        opt, params, rf"params'\]\[1\].*: its state '{key}' has elements that share memory "
+                     r"\(an expanded")
     for p, entry in before.items():
         assert_same_entry(entry, opt.state[p])
 

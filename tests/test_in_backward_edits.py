@@ -764,3 +764,47 @@ def test_a_tensor_lr_put_into_another_buckets_memory_is_refused_before_any_chang
                                            r"memory with param_groups\[0\]\['params'\]\[0\]"):
         (b * (a * x)).sin().sum().backward()
     assert all(torch.equal(p, v) for p, v in zip((a, b), values))
+
+
+@pytest.mark.parametrize("made_lazy", ["b", "a"], ids=["first-bucket", "later-bucket"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_a_gradient_made_a_lazy_negative_view_in_a_hook_is_refused_when_its_bucket_comes(
+        path, name, made_lazy):
+    """One parameter a bucket (b's steps first, then a's); from the third pass on, a hook
+    makes one's gradient a lazy negative view (`torch._neg_view`), which the kernels would
+    read as its memory, not its values: refused when its bucket comes, naming its gradient,
+    before its parameter or state moved (and, in the pass's first bucket, before anything
+    moved), after the buckets had stepped it on the passes before."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(2))
+    x = torch.randn(8, generator=gen)
+    opt = OPTIMIZERS[name]([a, b], lr=1e-2, backend=path)
+    lazy = []
+
+    def make_lazy(p):
+        if lazy:
+            p.grad = torch._neg_view(-p.grad.detach())
+
+    culprit = {"a": a, "b": b}[made_lazy]
+    culprit.register_post_accumulate_grad_hook(make_lazy)
+    opt.step_in_backward(bucket_mib=1e-6)
+    for t in range(3):
+        if t == 2:
+            lazy.append(True)
+        values = [p.detach().clone() for p in (a, b)]
+        states = [{k: v.clone() for k, v in opt.state[p].items()} for p in (a, b)]
+        opt.zero_grad()
+        loss = (b * (a * x)).sin().sum()
+        if t < 2:
+            loss.backward()
+            opt.step()
+            continue
+        index = 0 if made_lazy == "a" else 1
+        with pytest.raises(RuntimeError, match=rf"params'\]\[{index}\] \(shape .*\)'s gradient "
+                                               "is an unresolved negative view"):
+            loss.backward()
+        untouched = [0, 1] if made_lazy == "b" else [0]  # a, and b where its bucket came first
+        for i in untouched:
+            p = (a, b)[i]
+            assert torch.equal(p, values[i])
+            assert all(torch.equal(opt.state[p][k], v) for k, v in states[i].items())

@@ -154,6 +154,27 @@ def test_step_counters_count_exactly_past_2_to_the_24(path, name):
     assert fast.state[params[0]]["step"].item() == start + 3
 
 
+@pytest.mark.parametrize("start", [2**24 + 1, 2**53 - 4], ids=["2^24+1", "2^53-4"])
+@cases.parametrize(EVERY_PATH)
+def test_an_authors_format_checkpoint_of_a_long_run_loads_its_counters_exactly(path, name,
+                                                                             start):
+    """The authors' optimizers save step as a Python int: loaded, a count past 2^24 (which a
+    float32 tensor rounds, to 2^24 at 2^24 + 1) becomes a float64 counter of that very count,
+    and counts on exactly, as the reference does, up to 2^53."""
+    fast, params, ref, ref_params = _side_by_side(name, path, [(3,), (4, 2)])
+    _step_both(fast, params, ref, ref_params, 0)
+    for opt, ps in ((fast, params), (ref, ref_params)):
+        saved = copy.deepcopy(opt.state_dict())
+        for entry in saved["state"].values():
+            entry["step"] = start
+        opt.load_state_dict(saved)
+        counter = opt.state[ps[0]]["step"]
+        assert counter.dtype == torch.float64 and counter.item() == start
+    for t in range(1, 4):
+        _step_both(fast, params, ref, ref_params, t)
+    assert [fast.state[p]["step"].item() for p in params] == [start + 3] * 2
+
+
 @cases.parametrize(EVERY_PATH)
 @pytest.mark.parametrize("where", ["same group", "another group"])
 def test_a_parameter_appended_twice_by_hand_is_refused_before_anything_is_touched(
