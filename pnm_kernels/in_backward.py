@@ -67,8 +67,8 @@ class StepInBackward:
         # without.
         self._hypers = HypersAtBackward(optimizer)
         # zero_grad(set_to_none=False) keeps a zero gradient for every parameter that ever had
-        # one, and the ordinary step steps it: the parameters ever stepped, and those since the
-        # last step(), to step the others with zeros as it would.
+        # one, and the ordinary step steps it: the gradients freed here say which (and what
+        # remove() gives back).
         self._zero_filled = False
         self._freed = FreedGradients(self._reduced_here)
         # What the ordinary loop would hold that the buckets freed: a step() since the last
