@@ -25,7 +25,9 @@ from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, manag
 from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
 from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
-from .params import is_param_list, local
+from .in_backward_params import WatchedParams
+from .in_backward_passes import PassEnds
+from .params import local
 
 
 class StepInBackward:
@@ -83,9 +85,8 @@ class StepInBackward:
         self._pass_stepped = False  # a bucket stepped inside backward since the last step()
         self._loop_zeroes: bool | None = None
         self._probe_grads: dict = {}
-        self._hooks: list = []
-        self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
-        self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
+        self._passes = PassEnds()
+        self._params = WatchedParams(optimizer, self._ready, self._reduced_here)
         self.watch(p for group in optimizer.param_groups for p in group["params"])
         # DDP's parameters: stepped in its communication hook, bucket by bucket.
         self.reduced_steps = ReducedSteps(self) if self._reduced else None
@@ -94,43 +95,15 @@ class StepInBackward:
         optimizer._in_backward = self
 
     def watch(self, params) -> None:
-        """Hooks on these parameters (those requiring gradients; DDP's step in its
-        communication hook): optimizer.add_param_group calls it for those it adds."""
-        new = [p for p in params if not self.watches(p)]  # moved between groups: once
-        self._watched.update((id(p), weakref.ref(p)) for p in new)
-        self._hooks += [p.register_post_accumulate_grad_hook(self._ready)
-                        for p in new if p.requires_grad and id(p) not in self._reduced_here]
+        """Hooks on these parameters: optimizer.add_param_group calls it for those it adds."""
+        self._params.watch(params)
 
     def watches(self, p) -> bool:
-        ref = self._watched.get(id(p))
-        return ref is not None and ref() is p
+        return self._params.watches(p)
 
     def still_stepped(self, params) -> list:
-        """Those of params that are still the optimizer's: one taken out of its groups
-        keeps its hook (autograd's cannot be removed one by one) but neither steps here nor
-        loses its gradient, which is left to whoever steps it now. Each is looked up where it
-        was last seen (a bucket's cost, not the optimizer's size); the places are found again
-        once one is not there."""
-        groups = self._optimizer.param_groups
-        kept, refound = [], False
-        for p in params:
-            if not self._still_at(p, groups) and not refound:
-                # A group whose params were set by hand as no list steps nothing here: its
-                # gradients stay for step(), whose planner refuses it naming the group.
-                self._places = {id(q): (gi, pi) for gi, group in enumerate(groups)
-                                if is_param_list(group["params"])
-                                for pi, q in enumerate(group["params"])}
-                refound = True
-            if self._still_at(p, groups):
-                kept.append(p)
-        return kept
-
-    def _still_at(self, p, groups) -> bool:
-        gi, pi = self._places.get(id(p), (-1, -1))
-        if not 0 <= gi < len(groups):
-            return False
-        params = groups[gi]["params"]
-        return is_param_list(params) and pi < len(params) and params[pi] is p
+        """Those of params still the optimizer's (in_backward_params.py)."""
+        return self._params.still_stepped(params)
 
     def refuse_unreduced(self, named_params) -> None:
         """Refuses, naming it, a plain-tensor parameter that several ranks would step before
@@ -146,9 +119,7 @@ class StepInBackward:
         backward pass that stepped inside it and step(), the pass's step is completed first
         as far as it can be (DDP's last bucket steps; a parameter that stepped has no gradient
         until that step() is done, so that it steps only the others)."""
-        for hook in self._hooks:
-            hook.remove()
-        self._hooks = []
+        self._params.remove_hooks()
         self._pending = []
         for reduced in self._reduced:  # DDP keeps the hook: it reduces
             if self.reduced_steps in reduced.handles:
@@ -183,6 +154,8 @@ class StepInBackward:
         grad = p.grad
         if grad is None:
             return
+        if self._passes.new_pass_after_failure():
+            self._after_unseen_failure()
         if self._stepped_since_zeroing and not self._probing:
             self._check_zeroed(p, grad)
         if self._accumulating:
@@ -205,6 +178,21 @@ class StepInBackward:
             self._pass = this_pass
         if self._pending_bytes >= self._bucket_bytes:
             self._step_pending()
+
+    def _after_unseen_failure(self) -> None:
+        """A backward pass raised midway and the next came with no optimizer.zero_grad()
+        between (the model's does not reach here): what it left is forgotten, as that
+        zero_grad() would (its pending bucket steps anew with this pass's gradients)."""
+        self._forget_pending()
+        if self._pass_stepped and not self._probing:
+            warnings.warn("step_in_backward: a backward pass after one that failed midway, with "
+                          "no optimizer.zero_grad() between (the model's is not seen): the "
+                          "buckets it stepped before failing stay stepped (the ordinary loop, "
+                          "skipping the batch, would step none)", stacklevel=2)
+        self._pass_stepped = self._loaded_after_failure = False
+        self._freed.zeroed(set_to_none=False, failed=True)
+        if self._probing:  # the probe starts again with this pass
+            self._seen, self._param_bits = {}, {}
 
     def _check_zeroed(self, p, grad) -> None:
         """A backward pass after step() with no optimizer.zero_grad() since, its first
@@ -333,6 +321,7 @@ class StepInBackward:
             self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
         self._freed.zeroed(set_to_none, failed)
+        self._passes.forget()
 
     def before_load(self) -> None:
         """optimizer.load_state_dict() is called: refused between a backward pass that stepped
@@ -443,9 +432,7 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "whole gradient, as soon as it is made): to accumulate gradients over micro-batches, "
           "run all but the last inside `with handle.accumulating():`; a parameter reached in "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
-          "from each nested backward pass: checkpoint with use_reentrant=False; after a "
-          "backward pass that failed midway, skip its batch with optimizer.zero_grad() (the "
-          "model's zero_grad() is not seen)")
+          "from each nested backward pass: checkpoint with use_reentrant=False")
 
 _AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
 

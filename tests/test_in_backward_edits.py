@@ -161,6 +161,56 @@ def test_a_failed_pass_after_buckets_stepped_then_the_batch_skipped_trains_on():
     assert all(p.grad is None for p in model.parameters())
 
 
+def _failed_pass_skipped_through_the_model(in_backward, fail_at, bucket_mib):
+    """A loop zeroing through the model (`model.zero_grad()`, which the optimizer does not
+    see); at step `fail_at` a backward pass raises after the last two layers' gradients were
+    made, and the loop skips its batch with model.zero_grad()."""
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.Sequential(a, b, c)  # b's and c's gradients: 100 bytes
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=bucket_mib)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(4):
+        model.zero_grad()
+        x = torch.randn(3, 4, generator=gen)
+        if t == fail_at:
+            with pytest.raises(RuntimeError, match="simulated failure"):
+                c(b(_FailsInBackward.apply(a(x)))).square().mean().backward()
+            model.zero_grad()
+        model(x).square().mean().backward()
+        opt.step()
+    return model, opt
+
+
+@pytest.mark.parametrize("fail_at, bucket_mib", [(0, 1e-6), (2, 100.0), (2, 110 / 2**20)],
+                         ids=["in-the-probe", "nothing-stepped", "a-bucket-pending"])
+def test_a_failed_pass_skipped_through_the_model_trains_on_as_the_ordinary_loop(fail_at,
+                                                                                bucket_mib):
+    """The next pass finds that the one before never ended (the callback queued for its end
+    was let go of unrun) and forgets what it left, as optimizer.zero_grad() would: the probe
+    starts again, a pending bucket steps anew with this pass's gradients. Where the failed pass
+    stepped nothing, the ordinary loop's bits, with no warning."""
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        model, opt = _failed_pass_skipped_through_the_model(True, fail_at, bucket_mib)
+    ordinary, ordinary_opt = _failed_pass_skipped_through_the_model(False, fail_at, bucket_mib)
+    assert_same_bits(ordinary_opt, list(ordinary.parameters()), opt, list(model.parameters()))
+
+
+def test_a_failed_pass_that_stepped_skipped_through_the_model_is_said_at_the_next_pass():
+    """Buckets the failed pass stepped stay stepped (the ordinary loop steps none): no
+    optimizer.zero_grad() comes to say so, so the next pass's first gradient does, and that
+    pass steps inside backward as any other (not refused as a second gradient)."""
+    with pytest.warns(UserWarning, match=r"a backward pass after one that failed midway, "
+                                         r"with no optimizer.zero_grad\(\) between"):
+        model, opt = _failed_pass_skipped_through_the_model(True, 2, 1e-6)
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [4, 4, 5, 5, 5, 5]
+
+
 def _clipped_weights(in_backward, clip_at, through_data=False):
     """WGAN-style weight clipping (`p.clamp_()`, or the original's `p.data.clamp_()`),
     between backward and step() or after step() (before the next backward)."""
