@@ -339,7 +339,7 @@ BETWEEN_STEPS = {
     "state_dict reloaded": lambda L: L.both("state_dict reloaded", lambda s: (
         s.opt.load_state_dict(copy.deepcopy(s.opt.state_dict())))),
     "checkpoint saved": lambda L: L.both("checkpoint saved", lambda s: setattr(
-        s, "checkpoint", (copy.deepcopy(s.model.state_dict()), copy.deepcopy(s.opt.state_dict())))),
+        s, "checkpoint", copy.deepcopy((s.model.state_dict(), s.opt.state_dict())))),
     "checkpoint loaded": _checkpoint_loaded,
     "requires_grad toggled": _on_a_parameter("requires_grad toggled",
                                              lambda s, p: p.requires_grad_(not p.requires_grad)),
