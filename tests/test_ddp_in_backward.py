@@ -20,6 +20,7 @@ from pnm_kernels import PNM, AdaPNM, available_backends
 # one_rank: the fixture, used by name
 from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _data, _free_port,  # noqa: F401
                               _model, one_rank)
+from test_in_backward_edits import _FailsInBackward
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
@@ -139,18 +140,6 @@ def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not opt.state
-
-
-class _FailsInBackward(torch.autograd.Function):
-    """Identity forward; its backward raises (an out-of-memory error, say)."""
-
-    @staticmethod
-    def forward(ctx, x):
-        return x.clone()
-
-    @staticmethod
-    def backward(ctx, grad):
-        raise RuntimeError("simulated failure in backward")
 
 
 @pytest.mark.parametrize("recovery", ["batch-skipped", "checkpoint-loaded"])

@@ -756,6 +756,14 @@ def test_state_of_a_parameter_no_longer_reached_is_not_checked_by_the_buckets():
         assert torch.equal(p, q)
 
 
+def _two_parameters(name, path):
+    """Two parameters of 8 elements, an input, and their optimizer."""
+    gen = torch.Generator().manual_seed(0)
+    a, b = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(2))
+    x = torch.randn(8, generator=gen)
+    return a, b, x, OPTIMIZERS[name]([a, b], lr=1e-2, backend=path)
+
+
 @pytest.mark.parametrize("into", ["parameter", "state"])
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_a_gradient_put_into_another_buckets_memory_is_refused_naming_both(path, name, into):
@@ -763,10 +771,7 @@ def test_a_gradient_put_into_another_buckets_memory_is_refused_naming_both(path,
     memory (`b.grad = a.data`, or a buffer of a's state), where a's bucket steps after b's:
     every backend refuses it, naming both, before b's bucket steps (the ordinary step
     refuses it too), after the buckets had been checked together on the passes before."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(2))
-    x = torch.randn(8, generator=gen)
-    opt = OPTIMIZERS[name]([a, b], lr=1e-2, backend=path)
+    a, b, x, opt = _two_parameters(name, path)
     aliasing = []
 
     def put_into_a(p):
@@ -825,10 +830,7 @@ def test_a_gradient_made_a_lazy_negative_view_in_a_hook_is_refused_when_its_buck
     read as its memory, not its values: refused when its bucket comes, naming its gradient,
     before its parameter or state moved (and, in the pass's first bucket, before anything
     moved), after the buckets had stepped it on the passes before."""
-    gen = torch.Generator().manual_seed(0)
-    a, b = (torch.nn.Parameter(torch.randn(8, generator=gen)) for _ in range(2))
-    x = torch.randn(8, generator=gen)
-    opt = OPTIMIZERS[name]([a, b], lr=1e-2, backend=path)
+    a, b, x, opt = _two_parameters(name, path)
     lazy = []
 
     def make_lazy(p):
