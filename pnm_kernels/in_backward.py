@@ -20,8 +20,7 @@ import weakref
 
 import torch
 
-from .in_backward_ddp import (ReducedBuckets, ReducedSteps, backward_pass, managed_by,
-                              refuse_ddp)
+from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by, refuse_ddp
 from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
 from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
@@ -58,8 +57,6 @@ class StepInBackward:
         self._accumulating = 0
         self._pending: list = []
         self._pending_bytes = 0
-        self._flush_queued = False
-        self._pass = None  # the backward pass (graph task) whose end will flush the bucket
         self._seen: dict = {}  # probe: id(p) -> (p, passes, gradient, its fingerprint)
         # probe: id(p) -> the sum of p's bit patterns as its gradient came (not its version:
         # parameters made of views of one buffer share one counter, and `p.data.clamp_()`
@@ -85,7 +82,9 @@ class StepInBackward:
         self._pass_stepped = False  # a bucket stepped inside backward since the last step()
         self._loop_zeroes: bool | None = None
         self._probe_grads: dict = {}
-        self._passes = PassEnds()
+        # The passes that came and their ends, where the pending bucket steps (a nested pass,
+        # a reentrant checkpoint's, steps what is ready when it ends, its outer pass the rest).
+        self._passes = PassEnds(self._step_pending)
         self._params = WatchedParams(optimizer, self._ready, self._reduced_here)
         self.watch(p for group in optimizer.param_groups for p in group["params"])
         # DDP's parameters: stepped in its communication hook, bucket by bucket.
@@ -154,8 +153,7 @@ class StepInBackward:
         grad = p.grad
         if grad is None:
             return
-        if self._passes.new_pass_after_failure():
-            self._after_unseen_failure()
+        self.pass_came()
         if self._stepped_since_zeroing and not self._probing:
             self._check_zeroed(p, grad)
         if self._accumulating:
@@ -167,17 +165,16 @@ class StepInBackward:
             raise RuntimeError(_TWICE.format(
                 f"a second gradient was made for a parameter of shape {tuple(p.shape)} after "
                 "it had stepped inside backward, before the next step()"))
-        this_pass = backward_pass()
         self._pending.append(p)
         self._pending_bytes += local(grad).numel() * grad.element_size()  # a shard's own
-        if not self._flush_queued or this_pass != self._pass:
-            # The rest once the whole backward pass is done; a nested pass (a reentrant
-            # checkpoint's) flushes what is ready when it ends, its outer pass the rest.
-            torch.autograd.Variable._execution_engine.queue_callback(self._flush)
-            self._flush_queued = True
-            self._pass = this_pass
         if self._pending_bytes >= self._bucket_bytes:
-            self._step_pending()
+            self._step_pending()  # the rest at the pass's end
+
+    def pass_came(self) -> None:
+        """A gradient or a DDP bucket of a backward pass is here: its end is awaited, and a
+        pass before it that failed unseen is dealt with."""
+        if self._passes.came():
+            self._after_unseen_failure()
 
     def _after_unseen_failure(self) -> None:
         """A backward pass raised midway and the next came with no optimizer.zero_grad()
@@ -191,6 +188,8 @@ class StepInBackward:
                           "skipping the batch, would step none)", stacklevel=2)
         self._pass_stepped = self._loaded_after_failure = False
         self._freed.zeroed(set_to_none=False, failed=True)
+        if self.reduced_steps is not None:
+            self.reduced_steps.zeroing()
         if self._probing:  # the probe starts again with this pass
             self._seen, self._param_bits = {}, {}
 
@@ -221,10 +220,6 @@ class StepInBackward:
                 "a backward pass came after step() before zero_grad(), which this loop "
                 "calls between them otherwise"))
 
-    def _flush(self) -> None:
-        self._flush_queued = False
-        self._step_pending()
-
     def _step_pending(self) -> None:
         params, self._pending, self._pending_bytes = self._pending, [], 0
         self._pass_stepped |= bool(self._step_and_free(params))
@@ -243,9 +238,9 @@ class StepInBackward:
         return params
 
     def _forget_pending(self) -> None:
-        """What a backward pass that failed left pending (autograd dropped its flush): not
-        stepped here, its gradients left where they are."""
-        self._pending, self._pending_bytes, self._flush_queued = [], 0, False
+        """What a backward pass that failed left pending (its end never came): not stepped
+        here, its gradients left where they are."""
+        self._pending, self._pending_bytes = [], 0
 
     def _record(self, p) -> None:
         """The probe saw p's gradient made: how often before the step, and what it was."""
@@ -283,8 +278,7 @@ class StepInBackward:
     def _unended(self) -> bool:
         """A backward pass that came to a bucket has not ended since: if no step() or
         zero_grad() came, it raised midway (an OOM, say): a pass's end never comes then."""
-        return self._flush_queued or (self.reduced_steps is not None
-                                      and self.reduced_steps.unended())
+        return self._passes.unended()
 
     @property
     def _awaiting_step(self) -> bool:
@@ -303,6 +297,7 @@ class StepInBackward:
                 "backward as they were made. Skip a batch before its backward pass, measure "
                 "with torch.autograd.grad, or use the ordinary step")
         self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
+        self._passes.forget()
         if failed and self._pass_stepped and not self._probing:
             warnings.warn("step_in_backward: zero_grad() after a backward pass that failed "
                           "midway: the buckets it stepped before failing stay stepped (the "
@@ -321,7 +316,6 @@ class StepInBackward:
             self.reduced_steps.zeroing()
         self._zero_filled = not set_to_none
         self._freed.zeroed(set_to_none, failed)
-        self._passes.forget()
 
     def before_load(self) -> None:
         """optimizer.load_state_dict() is called: refused between a backward pass that stepped
@@ -362,6 +356,7 @@ class StepInBackward:
                 "before failing used theirs already. Call zero_grad() after a failed pass "
                 "(skipping its batch)")
         self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
+        self._passes.forget()
         if not self._probing and not self._pass_stepped and self._freed_since_zeroing:
             raise RuntimeError(
                 "step_in_backward: step() again with no backward pass since the last one "

@@ -14,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from .fingerprints import fingerprint
+from .in_backward_passes import backward_pass
 from .params import local
 
 
@@ -123,9 +124,6 @@ class ReducedSteps:
         self._stepped: dict = {}  # id(p) -> p, stepped inside backward since the last step()
         self._set_aside: list = []  # (p, its gradient) while step() runs
         self._sums: list = []  # the probe's: futures of the averaged gradients' bit sums
-        # The backward passes (graph tasks) a bucket came to since the last step() that have
-        # not ended: one that raised (an OOM the loop catches) never ends.
-        self._unended: set = set()
 
     def bucket(self, bucket, reduced) -> None:
         """DDP is all-reducing this bucket (`reduced`: its future)."""
@@ -134,7 +132,10 @@ class ReducedSteps:
             return
         mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if handle.watches(p)]
-        if not mine or handle.summing():  # reduced and kept, as the ordinary loop's
+        if not mine:
+            return
+        handle.pass_came()
+        if handle.summing():  # reduced and kept, as the ordinary loop's
             return
         if handle.probing():
             for p, _ in mine:
@@ -143,11 +144,6 @@ class ReducedSteps:
                 lambda _: [(p, fingerprint(g)[1]) for p, g in mine]))
             return
         handle.check_reduced_pass()
-        this_pass = backward_pass()
-        if this_pass not in self._unended:  # a reentrant checkpoint's nested pass: its own
-            self._unended.add(this_pass)
-            torch.autograd.Variable._execution_engine.queue_callback(
-                lambda: self._unended.discard(this_pass))
         if self._pending:
             self._step(*self._pending)
         self._pending = (mine, reduced)
@@ -170,15 +166,9 @@ class ReducedSteps:
         """DDP's last bucket is reduced but not stepped: step() steps it."""
         return bool(self._pending)
 
-    def unended(self) -> bool:
-        """A backward pass that came to a bucket since the last step() or zero_grad() never
-        ended: it raised midway."""
-        return bool(self._unended)
-
     def before_step(self) -> None:
         """step() after a backward pass: its last bucket steps, then what stepped inside
         backward is set aside from the ordinary step."""
-        self._unended = set()
         if self._pending:
             pending, self._pending = self._pending, ()
             self._step(*pending)
@@ -195,7 +185,7 @@ class ReducedSteps:
     def zeroing(self) -> None:
         """zero_grad() before any step(): a pass (failed, or whose step was skipped) leaves
         its last bucket unstepped, as the ordinary loop would."""
-        self._pending, self._stepped, self._unended = (), {}, set()
+        self._pending, self._stepped = (), {}
 
     def probed(self) -> None:
         """The probe's step: the bit sums of the averages DDP reduced (which it copies into
@@ -219,13 +209,7 @@ def managed_by(ddp) -> set:
             if p.requires_grad and name not in ignored and id(p) not in delayed}
 
 
-def backward_pass():
-    """Which backward pass is running (autograd's graph task id: -1 outside any, as in a
-    joined rank's shadow all-reduce), None where torch has no such query."""
-    current = getattr(torch._C, "_current_graph_task_id", None)
-    return None if current is None else current()
-
-__all__ = ["ReducedBuckets", "ReducedSteps", "backward_pass", "managed_by"]
+__all__ = ["ReducedBuckets", "ReducedSteps", "managed_by"]
 
 
 def refuse_ddp(named_params, ddp_given: bool = False) -> None:

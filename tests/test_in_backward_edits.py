@@ -211,6 +211,45 @@ def test_a_failed_pass_that_stepped_skipped_through_the_model_is_said_at_the_nex
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [4, 4, 5, 5, 5, 5]
 
 
+@pytest.mark.parametrize("skipped_through", ["optimizer", "model"])
+def test_a_pass_failing_after_a_reentrant_checkpoints_nested_pass_ended_is_told_failed(
+        skipped_through):
+    """A reentrant checkpoint runs a nested backward pass, which ends (and steps what it
+    made) before its outer pass does. The outer pass failing after it is still a failed pass:
+    the zero_grad() skipping its batch warns (it does not refuse as after a pass awaiting its
+    step()), or, skipped through the model, the next pass says so and steps on (it does not
+    refuse the stepped parameters' new gradients as second ones)."""
+    from torch.utils.checkpoint import checkpoint
+
+    torch.manual_seed(0)
+    a, b, c = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    model = torch.nn.Sequential(a, b, c)
+    opt = PNM(model.parameters(), lr=0.1)
+    opt.step_in_backward(bucket_mib=1e-6)  # a parameter a bucket
+    gen = torch.Generator().manual_seed(1)
+    for t in range(4):
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=gen)
+        if t != 2:
+            model(x).square().mean().backward()
+            opt.step()
+            continue
+        # c's gradients (the outer pass), b's (the nested one), then the failure, before a's
+        hidden = checkpoint(b, _FailsInBackward.apply(a(x)), use_reentrant=True)
+        with pytest.raises(RuntimeError, match="simulated failure"):
+            c(hidden).square().mean().backward()
+        if skipped_through == "optimizer":
+            with pytest.warns(UserWarning, match="failed midway: the buckets it stepped"):
+                opt.zero_grad()
+        else:
+            model.zero_grad()
+            with pytest.warns(UserWarning, match="a backward pass after one that failed"):
+                model(x).square().mean().backward()
+            opt.step()
+    steps = [int(opt.state[p]["step"]) for p in model.parameters()]
+    assert steps == ([3, 3, 4, 4, 4, 4] if skipped_through == "optimizer" else [4, 4, 5, 5, 5, 5])
+
+
 def _clipped_weights(in_backward, clip_at, through_data=False):
     """WGAN-style weight clipping (`p.clamp_()`, or the original's `p.data.clamp_()`),
     between backward and step() or after step() (before the next backward)."""
