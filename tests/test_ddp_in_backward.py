@@ -20,7 +20,7 @@ from pnm_kernels import PNM, AdaPNM, available_backends
 # one_rank: the fixture, used by name
 from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _data, _free_port,  # noqa: F401
                               _model, one_rank)
-from test_in_backward_edits import _FailsInBackward
+from test_in_backward_failed_passes import _FailsInBackward
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 

@@ -36,7 +36,7 @@ import torch
 from conftest import requires_extension
 from internals import step_in_backward_handle
 from pnm_kernels import PNM, AdaPNM
-from test_in_backward_edits import _FailsInBackward
+from test_in_backward_failed_passes import _FailsInBackward
 
 CONFIGS = {"PNM": (PNM, torch.float32, {}),
            "AdaPNM": (AdaPNM, torch.float32, {}),

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import OPTIMIZERS, assert_same_bits
-from test_in_backward_edits import _FailsInBackward
+from test_in_backward_failed_passes import _FailsInBackward
 
 # Events: Z optimizer.zero_grad(), m model.zero_grad(), 0 model.zero_grad(set_to_none=False),
 # z every gradient zeroed in place by hand, d zeroed through .data (which counts no version),
