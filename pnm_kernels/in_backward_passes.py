@@ -2,7 +2,10 @@
 callback queued on a pass runs at its end, where the bucket still pending steps. A pass that
 raises midway (an out-of-memory error the loop catches) never runs it, and autograd lets go
 of it with the pass: a callback held here only weakly and gone unrun is a pass that failed.
-One record serves the gradients the handle's hooks see and the buckets DDP reduces."""
+A reentrant checkpoint's nested pass ends inside a node of its outer pass, which may fail
+after it: the outer pass's end is awaited too, queued from that node's end (a hook on it,
+run in the outer pass). One record serves the gradients the handle's hooks see and the
+buckets DDP reduces."""
 import weakref
 
 import torch
@@ -15,6 +18,13 @@ def backward_pass():
     return None if current is None else current()
 
 
+def _running_node():
+    """The autograd node being run on this thread (that of an outer pass while a nested pass
+    it runs ends), None outside any or where torch has no such query."""
+    current = getattr(torch._C, "_current_autograd_node", None)
+    return None if current is None else current()
+
+
 class _End:
     """The callback queued for one pass's end: autograd alone holds it."""
 
@@ -22,7 +32,19 @@ class _End:
         self._passes, self._pass = passes, this_pass
 
     def __call__(self) -> None:
-        self._passes.ended(self._pass)
+        self._passes.ended(self._pass, _running_node())
+
+
+class _OuterResumed:
+    """The hook on the node of an outer pass that a nested pass ended in: run once that node
+    is done, in the outer pass. The node alone holds it, so it is gone unrun once autograd
+    lets go of a graph that failed in that node."""
+
+    def __init__(self, passes: "PassEnds", key) -> None:
+        self._passes, self._key = passes, key
+
+    def __call__(self, *_) -> None:
+        self._passes.outer_resumed(self._key)
 
 
 class PassEnds:
@@ -45,14 +67,35 @@ class PassEnds:
         failed = self.failed()
         if failed:
             self._ends = {}
+        self._queue_end(this_pass)
+        return failed
+
+    def _queue_end(self, this_pass) -> None:
         queued = _End(self, this_pass)
         torch.autograd.Variable._execution_engine.queue_callback(queued)
         self._ends[this_pass] = weakref.ref(queued)
-        return failed
 
-    def ended(self, this_pass) -> None:
+    def ended(self, this_pass, enclosing_node=None) -> None:
+        """`this_pass` ran its end; `enclosing_node`: the node of an outer pass it ran in."""
         self._ends.pop(this_pass, None)
+        if enclosing_node is None:  # a pass of its own: the nested passes it ran have ended
+            # (one that failed, its error caught inside the pass, left its end unrun)
+            self._ends = {key: end for key, end in self._ends.items() if end() is not None}
+        else:
+            key = ("outer of", this_pass)
+            hook = _OuterResumed(self, key)
+            enclosing_node.register_hook(hook)
+            self._ends[key] = weakref.ref(hook)
         self._at_end()
+
+    def outer_resumed(self, key) -> None:
+        """The node a nested pass ended in is done (in the outer pass): that pass's end is
+        queued, unless it is already."""
+        self._ends.pop(key, None)
+        outer = backward_pass()
+        end = self._ends.get(outer)
+        if end is None or end() is None:
+            self._queue_end(outer)
 
     def failed(self) -> bool:
         """A pass raised midway: autograd let go of its end unrun."""

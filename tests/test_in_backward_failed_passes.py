@@ -149,14 +149,18 @@ def test_a_failed_pass_that_stepped_skipped_through_the_model_is_said_at_the_nex
     assert [int(opt.state[p]["step"]) for p in model.parameters()] == [4, 4, 5, 5, 5, 5]
 
 
+@pytest.mark.parametrize("outer_gradient", [True, False],
+                         ids=["outer-pass-hooked-first", "every-layer-above-checkpointed"])
 @pytest.mark.parametrize("skipped_through", ["optimizer", "model"])
 def test_a_pass_failing_after_a_reentrant_checkpoints_nested_pass_ended_is_told_failed(
-        skipped_through):
+        skipped_through, outer_gradient):
     """A reentrant checkpoint runs a nested backward pass, which ends (and steps what it
-    made) before its outer pass does. The outer pass failing after it is still a failed pass:
-    the zero_grad() skipping its batch warns (it does not refuse as after a pass awaiting its
-    step()), or, skipped through the model, the next pass says so and steps on (it does not
-    refuse the stepped parameters' new gradients as second ones)."""
+    made) inside a node of its outer pass. The outer pass failing after it is still a failed
+    pass, whether or not a gradient of its own came before (every layer above the failure
+    checkpointed, an OOM recomputing the segment below): the zero_grad() skipping its batch
+    warns (it does not refuse as after a pass awaiting its step()), or, skipped through the
+    model, the next pass says so and steps on (it does not refuse the stepped parameters'
+    new gradients as second ones)."""
     from torch.utils.checkpoint import checkpoint
 
     torch.manual_seed(0)
@@ -172,10 +176,11 @@ def test_a_pass_failing_after_a_reentrant_checkpoints_nested_pass_ended_is_told_
             model(x).square().mean().backward()
             opt.step()
             continue
-        # c's gradients (the outer pass), b's (the nested one), then the failure, before a's
-        hidden = checkpoint(b, _FailsInBackward.apply(a(x)), use_reentrant=True)
+        # c's gradients (the outer pass) or none, b's (the nested pass), then the failure
+        hidden = _FailsInBackward.apply(a(x))
+        top = c if outer_gradient else (lambda h: checkpoint(c, h, use_reentrant=True))
         with pytest.raises(RuntimeError, match="simulated failure"):
-            c(hidden).square().mean().backward()
+            top(checkpoint(b, hidden, use_reentrant=True)).square().mean().backward()
         if skipped_through == "optimizer":
             with pytest.warns(UserWarning, match="failed midway: the buckets it stepped"):
                 opt.zero_grad()
@@ -186,6 +191,50 @@ def test_a_pass_failing_after_a_reentrant_checkpoints_nested_pass_ended_is_told_
             opt.step()
     steps = [int(opt.state[p]["step"]) for p in model.parameters()]
     assert steps == ([3, 3, 4, 4, 4, 4] if skipped_through == "optimizer" else [4, 4, 5, 5, 5, 5])
+
+
+class _NestedPassCaught(torch.autograd.Function):
+    """Identity; its backward runs a nested backward pass through `layer` that fails after
+    the layer's gradients were made, and catches the error (falling back to the incoming
+    gradient)."""
+
+    @staticmethod
+    def forward(ctx, x, layer):
+        ctx.layer = layer
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx, grad):
+        with torch.enable_grad():
+            x = grad.detach().requires_grad_()
+            out = ctx.layer(_FailsInBackward.apply(x)).sum()  # the layer's gradients first
+        try:
+            out.backward()
+        except RuntimeError:
+            pass
+        return grad, None
+
+
+def test_a_pass_that_caught_a_nested_pass_failing_inside_it_is_a_pass_that_ended():
+    """A nested pass that fails inside a pass that catches it and ends: the pass ended, so
+    load_state_dict() before its step() is refused (nothing loaded), not taken for the
+    recovery from a failed pass."""
+    torch.manual_seed(0)
+    inner, outer = torch.nn.Linear(4, 4), torch.nn.Linear(4, 1)
+    opt = PNM([*inner.parameters(), *outer.parameters()], lr=0.1)
+    opt.step_in_backward(bucket_mib=1e-6)
+    gen = torch.Generator().manual_seed(1)
+    for t in range(3):
+        opt.zero_grad()
+        x = torch.randn(3, 4, generator=gen)
+        outer(_NestedPassCaught.apply(x.requires_grad_(), inner)).sum().backward()
+        if t == 2:
+            saved = copy.deepcopy(opt.state_dict())
+            with pytest.raises(RuntimeError, match=r"load_state_dict\(\) between a backward "
+                                                   r"pass and its step\(\)"):
+                opt.load_state_dict(saved)
+        opt.step()
+    assert [int(opt.state[p]["step"]) for p in outer.parameters()] == [3, 3]
 
 
 def test_step_after_a_failed_pass_and_a_load_with_no_zero_grad_between_is_refused():
