@@ -49,10 +49,11 @@ def refuse_changed_at_the_probe(seen: dict, param_bits: dict) -> None:
             raise RuntimeError(
                 "step_in_backward: a gradient (of a parameter of shape "
                 f"{tuple(p.shape)}) was changed between backward and step (gradient "
-                "clipping, unscaling or editing by hand; or the model is DDP's, and "
-                "step_in_backward(ddp=model) was not given it), which a step inside "
-                "backward cannot do: it steps each gradient as soon as it is made. Use "
-                "the ordinary step")
+                "clipping, unscaling or editing by hand; a post-accumulate-grad hook "
+                "registered after step_in_backward(), which runs after its own; or the model "
+                "is DDP's, and step_in_backward(ddp=model) was not given it), which a step "
+                "inside backward cannot do: it steps each gradient as soon as it is made. "
+                "Register such a hook before step_in_backward(), or use the ordinary step")
 
 
 def added_to_the_probes(kept: dict, p, grad) -> str | None:

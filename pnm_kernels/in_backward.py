@@ -24,7 +24,7 @@ from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by, refuse_dd
 from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
 from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
-from .in_backward_params import WatchedParams
+from .in_backward_params import WatchedParams, refuse_stepped_elsewhere
 from .in_backward_passes import PassEnds
 from .params import local
 
@@ -46,12 +46,12 @@ class StepInBackward:
         for model in models:
             ReducedBuckets.check(model, "step_in_backward")
         self._reduced_here = set().union(*map(managed_by, models))
-        self.refuse_unreduced((f"param_groups[{gi}]['params'][{pi}]", p)
-                              for gi, group in enumerate(optimizer.param_groups)
-                              for pi, p in enumerate(group["params"]))
+        self._optimizer = optimizer
+        self.refuse_params((f"param_groups[{gi}]['params'][{pi}]", p)
+                           for gi, group in enumerate(optimizer.param_groups)
+                           for pi, p in enumerate(group["params"]))
         # DDP's parameters step in its communication hook (registered now, kept on the model).
         self._reduced = [ReducedBuckets.of(model, "step_in_backward") for model in models]
-        self._optimizer = optimizer
         self._bucket_bytes = bucket_mib * 2**20
         self._probing = True  # the first step is an ordinary one (see the module's docstring)
         self._accumulating = 0
@@ -104,9 +104,13 @@ class StepInBackward:
         """Those of params still the optimizer's (in_backward_params.py)."""
         return self._params.still_stepped(params)
 
-    def refuse_unreduced(self, named_params) -> None:
-        """Refuses, naming it, a plain-tensor parameter that several ranks would step before
-        reducing its gradient: one that no DDP model given to step_in_backward reduces."""
+    def refuse_params(self, named_params) -> None:
+        """Refuses, naming it, a parameter that cannot step inside backward here: a
+        plain-tensor one that several ranks would step before reducing its gradient (no DDP
+        model given to step_in_backward reduces it), or one stepping inside backward in
+        another optimizer. `named_params`: (where, parameter) pairs."""
+        named_params = list(named_params)
+        refuse_stepped_elsewhere(self._optimizer, named_params)
         refuse_ddp(((where, p) for where, p in named_params if id(p) not in self._reduced_here),
                    ddp_given=self._reduced_here != set())
 
@@ -295,7 +299,8 @@ class StepInBackward:
                 f"({_AFTER_STEP if self._stepped_since_zeroing else 'a step skipped'}): the "
                 "ordinary loop would drop that pass's gradients here, but they stepped inside "
                 "backward as they were made. Skip a batch before its backward pass, measure "
-                "with torch.autograd.grad, or use the ordinary step")
+                "with torch.autograd.grad, freeze parameters a pass should not step "
+                "(requires_grad_(False)), or use the ordinary step")
         self._forget_pending()  # a failed pass's bucket: its gradients are zeroed
         self._passes.forget()
         if failed and self._pass_stepped and not self._probing:
@@ -355,6 +360,8 @@ class StepInBackward:
                 "the loaded state with all that pass's gradients, but the buckets it stepped "
                 "before failing used theirs already. Call zero_grad() after a failed pass "
                 "(skipping its batch)")
+        if not self._probing:
+            self._refuse_given_again()
         self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
         self._passes.forget()
         if not self._probing and not self._pass_stepped and self._freed_since_zeroing:
@@ -409,6 +416,22 @@ class StepInBackward:
                              for p in params if p.grad is not None}
         return True
 
+    def _refuse_given_again(self) -> None:
+        """A gradient set by hand between backward and step() for a parameter that stepped
+        inside backward (zeros for every parameter that has none, say): the ordinary step
+        would step it with that gradient, but it stepped with the pass's already."""
+        given = {id(p) for p in self._freed.given_again()}
+        for gi, group in enumerate(self._optimizer.param_groups):
+            for pi, p in enumerate(group["params"]):
+                if id(p) in given:
+                    raise RuntimeError(
+                        f"step_in_backward: param_groups[{gi}]['params'][{pi}] (shape "
+                        f"{tuple(p.shape)}) was given a gradient between backward and step(), "
+                        "after it had stepped inside backward with the one the pass made: the "
+                        "ordinary step would step it with the new one; stepped again, it would "
+                        "step twice. Nothing was stepped in step(). Change gradients in a hook "
+                        "registered before step_in_backward(), or use the ordinary step")
+
     def _left_to_step(self) -> bool:
         """Gradients no bucket took, which step() steps (DDP's keep theirs: not those)."""
         return ((self.reduced_steps is not None and self.reduced_steps.pending())
@@ -436,6 +459,8 @@ _UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but th
              "pass's gradients stepped inside backward and were freed. Call "
              "optimizer.zero_grad() between step() and the next backward pass (the model's "
              "zero_grad() is not seen; a pass that only measures something: "
-             "torch.autograd.grad, which fills no .grad)")
+             "torch.autograd.grad, which fills no .grad; a pass not meant to step these "
+             "parameters, as a GAN's generator pass reaching its discriminator: freeze them "
+             "during it with requires_grad_(False))")
 
 __all__ = ["StepInBackward"]

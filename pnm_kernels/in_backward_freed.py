@@ -34,6 +34,13 @@ class FreedGradients:
         self._last_pass = [self.ever[key] for key in self.since_step if key in self.ever]
         self.since_step = set()
 
+    def given_again(self) -> list:
+        """Those stepped inside backward since the last step() that hold a gradient again (set
+        by hand between backward and step()); DDP's keep theirs: not those."""
+        return [self.ever[key] for key in self.since_step
+                if key in self.ever and self.ever[key].grad is not None
+                and key not in self._reduced_here]
+
     def zeroed(self, set_to_none: bool, failed: bool) -> None:
         """optimizer.zero_grad(set_to_none); `failed`: after a pass that failed midway."""
         self._last_pass = []

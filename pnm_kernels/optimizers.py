@@ -157,9 +157,9 @@ class _PositiveNegativeMomentum(Optimizer):
         handle = getattr(self, "_in_backward", None)
         if handle is not None:  # refused before it is added
             items = [params] if isinstance(params, torch.Tensor) else params or []
-            handle.refuse_unreduced((f"{where}['params'][{i}]",
-                                      item[1] if isinstance(item, tuple) else item)
-                                     for i, item in enumerate(items))
+            handle.refuse_params((f"{where}['params'][{i}]",
+                                  item[1] if isinstance(item, tuple) else item)
+                                 for i, item in enumerate(items))
         super().add_param_group(param_group)
         saved_codes.hold_key(self.param_groups[-1:])
         if handle is not None:  # its parameters step in backward too

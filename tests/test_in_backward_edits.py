@@ -474,3 +474,81 @@ def test_hyper_parameters_set_before_backward_are_neither_refused_nor_said():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         _train(model, opt, _batches(4), scheduler)
+
+
+@pytest.mark.parametrize("iteration", [0, 2], ids=["in-the-probe", "after-the-probe"])
+@pytest.mark.parametrize("other", ["SGD", "PNM"])
+def test_another_optimizer_stepping_a_parameter_that_steps_in_backward_is_refused(other,
+                                                                                 iteration):
+    """The ordinary loop steps a parameter in both optimizers; stepped inside backward, its
+    gradient is freed, and the other optimizer would silently skip it. Its step is refused
+    naming the parameter, before it steps anything (in the probe's iteration too: the loop
+    cannot go on). Once the handle is removed, the other optimizer steps it again."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    kind, options = {"SGD": (torch.optim.SGD, {"momentum": 0.9}), "PNM": (PNM, {})}[other]
+    second = kind([model[0].weight, model[4].bias], lr=1e-3, **options)
+    handle = opt.step_in_backward(bucket_mib=1e-6)
+    batches = _batches(iteration + 2)
+    _train(model, opt, batches[:iteration])
+    before = [p.detach().clone() for p in model.parameters()]
+    opt.zero_grad()
+    model(batches[iteration]).pow(2).mean().backward()
+    opt.step()
+    stepped = [p.detach().clone() for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=rf"{other}'s param_groups\[0\]\['params'\]\[0\] "
+                                           r"\(shape \(256, 16\)\) steps inside backward in "
+                                           r"another optimizer \(AdaPNM\)"):
+        second.step()
+    assert all(torch.equal(p, s) for p, s in zip(model.parameters(), stepped))
+    assert not second.state and any(not torch.equal(p, b) for p, b in zip(stepped, before))
+    handle.remove()
+    opt.zero_grad(), second.zero_grad()
+    model(batches[iteration + 1]).pow(2).mean().backward()
+    opt.step(), second.step()
+    assert len(second.state) == 2
+
+
+def test_a_parameter_stepping_in_backward_elsewhere_is_refused_when_enabling_or_adding():
+    """A second optimizer's step_in_backward(), or a group it adds, over a parameter already
+    stepping inside backward in another: refused naming it, nothing hooked or added."""
+    model = _model()
+    first = PNM([*model[0].parameters(), *model[2].parameters()], lr=1e-2)
+    first.step_in_backward()
+    second = AdaPNM([*model[4].parameters(), model[2].bias], lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] already steps "
+                                           r"inside backward in another optimizer \(PNM\)"):
+        second.step_in_backward()
+    assert step_in_backward_handle(second) is None
+    third = AdaPNM(model[4].parameters(), lr=1e-2)
+    third.step_in_backward()
+    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] already steps "
+                                           r"inside backward in another optimizer \(PNM\)"):
+        third.add_param_group({"params": [model[0].weight]})
+    assert len(third.param_groups) == 1
+    _train(model, first, _batches(3))  # third's step sees no parameter of first's
+
+
+def test_a_gradient_given_by_hand_between_backward_and_step_is_refused_not_stepped_twice():
+    """Past the probe, a gradient set by hand for a parameter that stepped inside backward
+    (zeros for every parameter that has none, say): the ordinary step steps it once, with the
+    new gradient; here it stepped with the pass's already. step() refuses it naming the
+    parameter, stepping nothing."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    batches = _batches(3)
+    _train(model, opt, batches[:2])
+    opt.zero_grad()
+    model(batches[2]).pow(2).mean().backward()
+    for p in model.parameters():
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+    after_backward = [p.detach().clone() for p in model.parameters()]
+    steps = [int(opt.state[p]["step"]) for p in model.parameters()]
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[0\] \(shape "
+                                           r"\(256, 16\)\) was given a gradient between "
+                                           r"backward and step\(\).*Nothing was stepped"):
+        opt.step()
+    assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after_backward))
+    assert steps == [int(opt.state[p]["step"]) for p in model.parameters()] == [3] * 6

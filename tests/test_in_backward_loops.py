@@ -151,3 +151,41 @@ def test_the_first_pass_after_the_probe_tells_zeroed_in_place_from_never_zeroed(
     model, opt = _branching_loop(True, True, **kwargs)
     ordinary, ordinary_opt = _branching_loop(False, True, **kwargs)
     assert_same_bits(ordinary_opt, list(ordinary.parameters()), opt, list(model.parameters()))
+
+
+def _gan_loop(in_backward, freeze_during_generator_pass):
+    """A GAN's alternating loop: the discriminator's step on its loss, then the generator's
+    on a loss whose backward pass reaches the discriminator too (its gradients dropped at its
+    next zero_grad()), unless the discriminator is frozen during it."""
+    torch.manual_seed(0)
+    gen_net, disc = torch.nn.Linear(2, 4), torch.nn.Sequential(torch.nn.Linear(4, 1))
+    opt_g = OPTIMIZERS["PNM"](gen_net.parameters(), lr=1e-2)
+    opt_d = OPTIMIZERS["AdaPNM"](disc.parameters(), lr=1e-2)
+    if in_backward:
+        opt_g.step_in_backward(bucket_mib=1e-6), opt_d.step_in_backward(bucket_mib=1e-6)
+    noise = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        z, real = torch.randn(8, 2, generator=noise), torch.randn(8, 4, generator=noise)
+        opt_d.zero_grad()
+        (disc(gen_net(z).detach()).mean() - disc(real).mean()).backward()
+        opt_d.step()
+        opt_g.zero_grad()
+        disc.requires_grad_(not freeze_during_generator_pass)
+        (-disc(gen_net(z)).mean()).backward()
+        disc.requires_grad_(True)
+        opt_g.step()
+    return [*gen_net.parameters(), *disc.parameters()], (opt_g, opt_d)
+
+
+def test_a_gan_loop_steps_in_backward_with_the_discriminator_frozen_for_the_generator_pass():
+    """The generator's pass reaches the discriminator, whose gradients the ordinary loop drops
+    at its next zero_grad(); inside backward they would step it: refused at that pass,
+    before it steps, the message saying to freeze the discriminator during it. Frozen, the
+    loop gives the ordinary loop's bits."""
+    with pytest.raises(RuntimeError, match=r"a GAN's generator pass reaching its "
+                                           r"discriminator: freeze them during it"):
+        _gan_loop(True, freeze_during_generator_pass=False)
+    params, (opt_g, opt_d) = _gan_loop(True, freeze_during_generator_pass=True)
+    ordinary, (ordinary_g, ordinary_d) = _gan_loop(False, freeze_during_generator_pass=True)
+    assert_same_bits(ordinary_g, ordinary[:2], opt_g, params[:2])
+    assert_same_bits(ordinary_d, ordinary[2:], opt_d, params[2:])
