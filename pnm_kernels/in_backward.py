@@ -24,7 +24,8 @@ from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by, refuse_dd
 from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
 from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
-from .in_backward_params import WatchedParams, refuse_stepped_elsewhere
+from .in_backward_owners import refuse_stepped_elsewhere
+from .in_backward_params import WatchedParams
 from .in_backward_passes import PassEnds
 from .params import local
 
@@ -122,6 +123,8 @@ class StepInBackward:
         backward pass that stepped inside it and step(), the pass's step is completed first
         as far as it can be (DDP's last bucket steps; a parameter that stepped has no gradient
         until that step() is done, so that it steps only the others)."""
+        if not self._probing:  # that step() would step such a parameter again
+            self._refuse_given_again("The handle was not removed")
         self._params.remove_hooks()
         self._pending = []
         for reduced in self._reduced:  # DDP keeps the hook: it reduces
@@ -361,7 +364,7 @@ class StepInBackward:
                 "before failing used theirs already. Call zero_grad() after a failed pass "
                 "(skipping its batch)")
         if not self._probing:
-            self._refuse_given_again()
+            self._refuse_given_again("Nothing was stepped in step()")
         self._forget_pending()  # a failed pass's bucket keeps its gradients: stepped below
         self._passes.forget()
         if not self._probing and not self._pass_stepped and self._freed_since_zeroing:
@@ -416,7 +419,7 @@ class StepInBackward:
                              for p in params if p.grad is not None}
         return True
 
-    def _refuse_given_again(self) -> None:
+    def _refuse_given_again(self, nothing_done: str) -> None:
         """A gradient set by hand between backward and step() for a parameter that stepped
         inside backward (zeros for every parameter that has none, say): the ordinary step
         would step it with that gradient, but it stepped with the pass's already."""
@@ -429,8 +432,8 @@ class StepInBackward:
                         f"{tuple(p.shape)}) was given a gradient between backward and step(), "
                         "after it had stepped inside backward with the one the pass made: the "
                         "ordinary step would step it with the new one; stepped again, it would "
-                        "step twice. Nothing was stepped in step(). Change gradients in a hook "
-                        "registered before step_in_backward(), or use the ordinary step")
+                        f"step twice. {nothing_done}. Change gradients in a hook registered "
+                        "before step_in_backward(), or use the ordinary step")
 
     def _left_to_step(self) -> bool:
         """Gradients no bucket took, which step() steps (DDP's keep theirs: not those)."""

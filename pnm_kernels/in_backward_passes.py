@@ -52,7 +52,8 @@ class PassEnds:
     (each with the weak reference to its queued end); `at_end` runs at each one's end."""
 
     def __init__(self, at_end) -> None:
-        self._at_end = at_end
+        # Weakly: a retained graph keeps a node's hook, which must not keep the handle.
+        self._at_end = weakref.WeakMethod(at_end)
         self._ends: dict = {}  # graph task id -> weakref to its _End, until it ran
 
     def came(self) -> bool:
@@ -86,7 +87,9 @@ class PassEnds:
             hook = _OuterResumed(self, key)
             enclosing_node.register_hook(hook)
             self._ends[key] = weakref.ref(hook)
-        self._at_end()
+        at_end = self._at_end()
+        if at_end is not None:
+            at_end()
 
     def outer_resumed(self, key) -> None:
         """The node a nested pass ended in is done (in the outer pass): that pass's end is

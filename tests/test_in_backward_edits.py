@@ -552,3 +552,52 @@ def test_a_gradient_given_by_hand_between_backward_and_step_is_refused_not_stepp
         opt.step()
     assert all(torch.equal(p, a) for p, a in zip(model.parameters(), after_backward))
     assert steps == [int(opt.state[p]["step"]) for p in model.parameters()] == [3] * 6
+
+
+def test_a_gradient_given_by_hand_then_the_handle_removed_is_refused_by_the_removal():
+    """remove() between backward and step() leaves that step() to the ordinary step, which
+    would step again a parameter that stepped inside backward and was given a gradient by hand
+    since: the removal is refused naming it, the handle kept; without that gradient it goes."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    handle = opt.step_in_backward(bucket_mib=1e-6)
+    batches = _batches(3)
+    _train(model, opt, batches[:2])
+    opt.zero_grad()
+    model(batches[2]).pow(2).mean().backward()
+    model[4].bias.grad = torch.zeros_like(model[4].bias)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[5\] .* was given a "
+                                           r"gradient .*The handle was not removed"):
+        handle.remove()
+    assert step_in_backward_handle(opt) is handle
+    model[4].bias.grad = None
+    handle.remove()
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [3] * 6
+
+
+class _SharingGroups(torch.optim.Optimizer):
+    """An optimizer wrapping another and sharing its param groups, whose step() steps the
+    inner one (Lookahead's pattern)."""
+
+    def __init__(self, inner):
+        super().__init__(inner.param_groups, inner.defaults)
+        self.inner, self.param_groups = inner, inner.param_groups
+
+    def step(self, closure=None):
+        return self.inner.step(closure)
+
+
+def test_a_wrapper_sharing_the_param_groups_of_an_optimizer_stepping_in_backward_steps():
+    """Its step() runs torch's global step pre-hooks, and its parameters step inside backward
+    in the optimizer it wraps: the same parameters, stepped once, not refused; the ordinary
+    loop's bits."""
+    runs = []
+    for in_backward in (True, False):
+        model = _model()
+        inner = AdaPNM(model.parameters(), lr=1e-2)
+        if in_backward:
+            inner.step_in_backward(bucket_mib=1e-6)
+        _train(model, _SharingGroups(inner), _batches(3))
+        runs.append((model, inner))
+    _assert_same(*runs[0], *runs[1])

@@ -1,9 +1,9 @@
 """Random training loops (seeded, reproducible) run by an ordinary optimizer and by the same
 optimizer stepping inside backward (`step_in_backward`, docs/design.md §9), side by side: a
 small model over two param groups (weight decay decoupled or L2, AMSGrad on or off; a head
-added later as a third group), PNM and AdaPNM, float32 parameters with float32, bfloat16 or
-int8 state, bfloat16 parameters rounded stochastically, in buckets of one parameter, of a
-few, or one for all.
+added later as a third group; its last layers inside reentrant checkpoints or not), PNM and
+AdaPNM, float32 parameters with float32, bfloat16 or int8 state, bfloat16 parameters rounded
+stochastically, in buckets of one parameter, of a few, or one for all.
 
 An iteration: events between step() and the next pass (BETWEEN_STEPS); the loop's zeroing
 (the optimizer's zero_grad(), set_to_none True or False and switched now and then, or the
@@ -32,6 +32,7 @@ import warnings
 
 import pytest
 import torch
+from torch.utils.checkpoint import checkpoint
 
 from conftest import requires_extension
 from internals import step_in_backward_handle
@@ -55,14 +56,22 @@ class _Net(torch.nn.Module):
                                      torch.nn.Linear(8, 8))
         self.l3, self.head = torch.nn.Linear(8, 3), torch.nn.Linear(8, 3)
 
-    def forward(self, x, skip=(), fail=None, head=False):
+    def forward(self, x, skip=(), fail=None, head=False, segments=()):
+        """`segments`: the layers run inside a reentrant checkpoint each (l2; l3 with the
+        head), whose backward is a nested pass: one failing midway fails after it ended."""
         h = torch.tanh(self.l0(x))
         h = h if "l1" in skip else torch.tanh(self.l1(h))
         h = _FailsInBackward.apply(h) if fail == "midway" else h
-        h = h if "l2" in skip else torch.tanh(self.l2(h))
-        out = self.l3(h) + (self.head(h) if head and "head" not in skip else 0)
+        if "l2" not in skip:
+            h = _segment(lambda h: torch.tanh(self.l2(h)), h, "l2" in segments)
+        out = _segment(lambda h: self.l3(h) + (self.head(h) if head and "head" not in skip
+                                               else 0), h, "l3" in segments)
         loss = out.float().square().mean()
         return _FailsInBackward.apply(loss) if fail == "early" else loss
+
+
+def _segment(run, h, checkpointed):
+    return checkpoint(run, h, use_reentrant=True) if checkpointed else run(h)
 
 
 class Side:
@@ -81,6 +90,7 @@ class Side:
                              lr=1e-2, **kwargs)
         self.scheduler = torch.optim.lr_scheduler.ExponentialLR(self.opt, gamma=0.9)
         self.bucket_mib, self.head, self.checkpoint = bucket_mib, False, None
+        self.segments = random.Random(seed + 1).choice([(), (), ("l2",), ("l2", "l3")])
         if bucket_mib:
             self.opt.step_in_backward(bucket_mib=bucket_mib)
 
@@ -90,7 +100,7 @@ class Side:
 
     def backward(self, x, skip=(), fail=None, accumulating=False, scaler=None):
         handle = step_in_backward_handle(self.opt)
-        loss = self.model(x.to(self.dtype), skip, fail, self.head)
+        loss = self.model(x.to(self.dtype), skip, fail, self.head, self.segments)
         with handle.accumulating() if accumulating and handle else contextlib.nullcontext():
             (scaler.scale(loss) if scaler else loss).backward()
 
@@ -128,7 +138,8 @@ class Loop:
         self.unseen = False  # the model's zero_grad() that may be refused this iteration
         self.failure_unsaid = False  # a failed pass stepped, its batch skipped through the model
         self.log = [f"{config} seed={seed} bucket_mib={bucket_mib} "
-                    f"set_to_none={self.set_to_none} through_model={self.through_model}"]
+                    f"set_to_none={self.set_to_none} through_model={self.through_model} "
+                    f"segments={self.A.segments}"]
 
     def report(self, what):
         return "\n    ".join([what, self.log[0], "...", *self.log[-20:]])
@@ -468,7 +479,7 @@ def run_loop(config, seed, iterations=12):
 
 
 @requires_extension
-@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("seed", range(12))
 @pytest.mark.parametrize("config", list(CONFIGS))
 def test_a_random_training_loop_steps_in_backward_as_the_ordinary_one(config, seed):
     run_loop(config, seed)

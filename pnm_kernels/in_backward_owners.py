@@ -1,0 +1,81 @@
+"""A parameter steps inside backward in one optimizer only (docs/design.md §9): its gradient is
+freed once it has stepped there, so another optimizer stepping it (the ordinary loop steps it
+in both) would find none and silently skip it. Such a step is refused before it steps, through
+torch.optim's global step pre-hook (eager steps: a compiled one is not traced into it), and so
+is a second step_in_backward() or a group added over such a parameter. An optimizer wrapping
+another and sharing its param groups (Lookahead's pattern) is the same optimizer here."""
+import weakref
+
+import torch
+from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+# The WatchedParams of every handle not removed.
+_LIVE: weakref.WeakSet = weakref.WeakSet()
+_STEP_HOOK: list = []  # the global step pre-hook, once registered
+
+
+def live(watched) -> None:
+    """A handle's hooks are on: every optimizer's step is checked against them from now on."""
+    _LIVE.add(watched)
+    if not _STEP_HOOK:
+        _STEP_HOOK.append(register_optimizer_step_pre_hook(_refuse_stepping_elsewhere))
+
+
+def removed(watched) -> None:
+    _LIVE.discard(watched)
+
+
+def _stepped_elsewhere(optimizer, params):
+    """The first of `params` ((label, parameter, its group) triples) whose gradient the step
+    inside backward of another optimizer frees, with that optimizer; None if none."""
+    others = [w for w in list(_LIVE) if w.optimizer is not optimizer]
+    for watched in others:
+        groups = {id(group) for group in watched.optimizer.param_groups}
+        candidates = [(label, p) for label, p, group in params
+                      if id(group) not in groups and watched.hooks(p)]
+        if candidates:  # still in its groups? one walk for all
+            kept = watched.stepped_ids()
+            for label, p in candidates:
+                if id(p) in kept:
+                    return label, p, watched.optimizer
+    return None
+
+
+def refuse_stepped_elsewhere(optimizer, named_params) -> None:
+    """Refuses, naming it, a parameter that steps inside backward in another optimizer.
+    `named_params`: (where, parameter) pairs."""
+    found = _stepped_elsewhere(optimizer, [(where, p, None) for where, p in named_params])
+    if found is not None:
+        where, _, other = found
+        raise RuntimeError(
+            f"step_in_backward: {where} already steps inside backward in another optimizer "
+            f"({type(other).__name__}), whose backward steps free its gradient: a parameter "
+            f"stepping inside backward belongs to one optimizer. {_REMEDY}")
+
+
+def _refuse_stepping_elsewhere(optimizer, args, kwargs) -> None:
+    """torch.optim's global step pre-hook."""
+    if torch.compiler.is_compiling():  # not traced: a compiled step is not checked
+        return
+    others = [watched for watched in list(_LIVE) if watched.optimizer is not optimizer]
+    if not others:
+        return  # the usual case: no other optimizer's parameters step inside backward
+    hooked: set = set().union(*(watched.hooked_ids() for watched in others))
+    suspects = [((gi, pi), p, group) for gi, group in enumerate(optimizer.param_groups)
+                if not hooked.isdisjoint(map(id, group["params"]))  # at C speed, mostly
+                for pi, p in enumerate(group["params"]) if id(p) in hooked]
+    found = _stepped_elsewhere(optimizer, suspects) if suspects else None
+    if found is not None:
+        (gi, pi), p, other = found
+        raise RuntimeError(
+            f"step_in_backward: {type(optimizer).__name__}'s param_groups[{gi}]['params'][{pi}] "
+            f"(shape {tuple(p.shape)}) steps inside backward in another optimizer "
+            f"({type(other).__name__}), which frees its gradient as soon as it has stepped: "
+            f"this step would find none. Nothing was stepped. {_REMEDY}")
+
+
+_REMEDY = ("Take it out of one of them, or remove() the other's handle (an optimizer replaced "
+           "without it keeps stepping inside backward through its hooks: keep the handle "
+           "step_in_backward() returns, and remove() it before replacing the optimizer)")
+
+__all__ = ["live", "refuse_stepped_elsewhere", "removed"]
