@@ -117,13 +117,13 @@ class StepInBackward:
 
     # -- the user's side -------------------------------------------------------------------
 
-    def remove(self) -> None:
+    def remove(self, _refuse_given: bool = True) -> None:
         """The ordinary step again (gradients kept until optimizer.step()); the gradients
         freed here that the ordinary loop would hold are given back as zeros. Between a
         backward pass that stepped inside it and step(), the pass's step is completed first
         as far as it can be (DDP's last bucket steps; a parameter that stepped has no gradient
         until that step() is done, so that it steps only the others)."""
-        if not self._probing:  # that step() would step such a parameter again
+        if _refuse_given and not self._probing:  # that step() would step it again
             self._refuse_given_again("The handle was not removed")
         self._params.remove_hooks()
         self._pending = []
@@ -142,7 +142,9 @@ class StepInBackward:
         return self
 
     def __exit__(self, *exc) -> None:
-        self.remove()
+        # Leaving the block through an error (that refusal at step(), say) removes the handle
+        # all the same: the block's end is the ordinary step's, as promised.
+        self.remove(_refuse_given=exc[0] is None)
 
     @contextlib.contextmanager
     def accumulating(self):
@@ -283,7 +285,7 @@ class StepInBackward:
 
     @property
     def _unended(self) -> bool:
-        """A backward pass that came to a bucket has not ended since: if no step() or
+        """A backward pass whose gradients came here has not ended since: if no step() or
         zero_grad() came, it raised midway (an OOM, say): a pass's end never comes then."""
         return self._passes.unended()
 
@@ -464,6 +466,7 @@ _UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but th
              "zero_grad() is not seen; a pass that only measures something: "
              "torch.autograd.grad, which fills no .grad; a pass not meant to step these "
              "parameters, as a GAN's generator pass reaching its discriminator: freeze them "
-             "during it with requires_grad_(False))")
+             "during it with requires_grad_(False); an optimizer replaced without "
+             "handle.remove() keeps stepping inside backward through its hooks: remove() it)")
 
 __all__ = ["StepInBackward"]

@@ -3,7 +3,8 @@ freed once it has stepped there, so another optimizer stepping it (the ordinary 
 in both) would find none and silently skip it. Such a step is refused before it steps, through
 torch.optim's global step pre-hook (eager steps: a compiled one is not traced into it), and so
 is a second step_in_backward() or a group added over such a parameter. An optimizer wrapping
-another and sharing its param groups (Lookahead's pattern) is the same optimizer here."""
+another and sharing its `param_groups` list (Lookahead's pattern, whose step() steps the inner
+one) is the same optimizer here; one built over the same group dicts is not."""
 import weakref
 
 import torch
@@ -26,13 +27,12 @@ def removed(watched) -> None:
 
 
 def _stepped_elsewhere(optimizer, params):
-    """The first of `params` ((label, parameter, its group) triples) whose gradient the step
-    inside backward of another optimizer frees, with that optimizer; None if none."""
-    others = [w for w in list(_LIVE) if w.optimizer is not optimizer]
-    for watched in others:
-        groups = {id(group) for group in watched.optimizer.param_groups}
-        candidates = [(label, p) for label, p, group in params
-                      if id(group) not in groups and watched.hooks(p)]
+    """The first of `params` ((label, parameter) pairs) whose gradient the step inside
+    backward of another optimizer frees, with that optimizer; None if none."""
+    for watched in list(_LIVE):
+        if _same(watched.optimizer, optimizer):
+            continue
+        candidates = [(label, p) for label, p in params if watched.hooks(p)]
         if candidates:  # still in its groups? one walk for all
             kept = watched.stepped_ids()
             for label, p in candidates:
@@ -41,10 +41,15 @@ def _stepped_elsewhere(optimizer, params):
     return None
 
 
+def _same(a, b) -> bool:
+    """One optimizer, or one wrapping the other with its very param_groups list."""
+    return a is b or a.param_groups is b.param_groups
+
+
 def refuse_stepped_elsewhere(optimizer, named_params) -> None:
     """Refuses, naming it, a parameter that steps inside backward in another optimizer.
     `named_params`: (where, parameter) pairs."""
-    found = _stepped_elsewhere(optimizer, [(where, p, None) for where, p in named_params])
+    found = _stepped_elsewhere(optimizer, list(named_params))
     if found is not None:
         where, _, other = found
         raise RuntimeError(
@@ -57,11 +62,11 @@ def _refuse_stepping_elsewhere(optimizer, args, kwargs) -> None:
     """torch.optim's global step pre-hook."""
     if torch.compiler.is_compiling():  # not traced: a compiled step is not checked
         return
-    others = [watched for watched in list(_LIVE) if watched.optimizer is not optimizer]
+    others = [watched for watched in list(_LIVE) if not _same(watched.optimizer, optimizer)]
     if not others:
         return  # the usual case: no other optimizer's parameters step inside backward
     hooked: set = set().union(*(watched.hooked_ids() for watched in others))
-    suspects = [((gi, pi), p, group) for gi, group in enumerate(optimizer.param_groups)
+    suspects = [((gi, pi), p) for gi, group in enumerate(optimizer.param_groups)
                 if not hooked.isdisjoint(map(id, group["params"]))  # at C speed, mostly
                 for pi, p in enumerate(group["params"]) if id(p) in hooked]
     found = _stepped_elsewhere(optimizer, suspects) if suspects else None

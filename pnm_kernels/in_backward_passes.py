@@ -48,13 +48,14 @@ class _OuterResumed:
 
 
 class PassEnds:
-    """The backward passes that came since the last step() or zero_grad() and have not ended
-    (each with the weak reference to its queued end); `at_end` runs at each one's end."""
+    """The backward passes that came since the last step() or zero_grad() and have not ended,
+    each with a weak reference to its queued end (or, an outer pass a nested one ended in, to
+    the hook on that node); `at_end` runs at each one's end."""
 
     def __init__(self, at_end) -> None:
         # Weakly: a retained graph keeps a node's hook, which must not keep the handle.
         self._at_end = weakref.WeakMethod(at_end)
-        self._ends: dict = {}  # graph task id -> weakref to its _End, until it ran
+        self._ends: dict = {}  # graph task id (or ("outer of", id)) -> weakref, until run
 
     def came(self) -> bool:
         """At a gradient or a DDP bucket (inside backward): the pass's end is queued, once (a

@@ -601,3 +601,35 @@ def test_a_wrapper_sharing_the_param_groups_of_an_optimizer_stepping_in_backward
         _train(model, _SharingGroups(inner), _batches(3))
         runs.append((model, inner))
     _assert_same(*runs[0], *runs[1])
+
+
+def test_an_optimizer_built_over_the_param_groups_of_one_stepping_in_backward_is_refused():
+    """Built over the same group dicts (`SGD(opt.param_groups)`), it is another optimizer
+    (its own param_groups list), whose step would find the gradients freed: refused."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    _train(model, opt, _batches(2))
+    replacement = torch.optim.SGD(opt.param_groups, lr=1e-3)
+    opt.zero_grad()
+    model(_batches(3)[2]).pow(2).mean().backward()
+    with pytest.raises(RuntimeError, match=r"SGD's param_groups\[0\]\['params'\]\[0\] .* steps "
+                                           r"inside backward in another optimizer \(AdaPNM\)"):
+        replacement.step()
+
+
+def test_leaving_the_with_block_through_a_refused_step_removes_the_handle():
+    """The block's end is the ordinary step's, even where it is left through an error (a
+    step() refused for a gradient given by hand)."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    batches = _batches(3)
+    with pytest.raises(RuntimeError, match=r"was given a gradient between backward and step"):
+        with opt.step_in_backward(bucket_mib=1e-6):
+            _train(model, opt, batches[:2])
+            opt.zero_grad()
+            model(batches[2]).pow(2).mean().backward()
+            model[4].bias.grad = torch.zeros_like(model[4].bias)
+            opt.step()
+    assert step_in_backward_handle(opt) is None
+    assert all(not p._post_accumulate_grad_hooks for p in model.parameters())
