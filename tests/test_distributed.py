@@ -68,12 +68,18 @@ def _make_opt(name, params, device="cpu", zero=False, state_dtype=None):
 
 
 def _train(model, opt, xs, ys, steps, rank=None):
+    """Each rank takes its half of the batch; one process (rank None) forms the gradient as the
+    ranks' reduction does, the mean of the halves' gradients (the mean over the whole batch
+    differs in the last bits, which int8 state's stochastic rounding can turn into a whole
+    code step)."""
     for t in steps:
-        x, y = xs[t], ys[t]
-        if rank is not None:  # each rank takes its half of the batch
-            x, y = x[rank * 4:(rank + 1) * 4], y[rank * 4:(rank + 1) * 4]
         opt.zero_grad()
-        torch.nn.functional.mse_loss(model(x), y).backward()
+        for half in range(WORLD) if rank is None else [rank]:
+            x, y = xs[t][half * 4:(half + 1) * 4], ys[t][half * 4:(half + 1) * 4]
+            torch.nn.functional.mse_loss(model(x), y).backward()
+        if rank is None:
+            for p in model.parameters():
+                p.grad.div_(WORLD)
         opt.step()
 
 
