@@ -27,7 +27,7 @@ from .in_backward_hypers import CHANGED, HypersAtBackward
 from .in_backward_owners import refuse_stepped_elsewhere
 from .in_backward_params import WatchedParams
 from .in_backward_passes import PassEnds
-from .params import local
+from .params import describe, local
 
 
 class StepInBackward:
@@ -430,12 +430,12 @@ class StepInBackward:
             for pi, p in enumerate(group["params"]):
                 if id(p) in given:
                     raise RuntimeError(
-                        f"step_in_backward: param_groups[{gi}]['params'][{pi}] (shape "
-                        f"{tuple(p.shape)}) was given a gradient between backward and step(), "
-                        "after it had stepped inside backward with the one the pass made: the "
-                        "ordinary step would step it with the new one; stepped again, it would "
-                        f"step twice. {nothing_done}. Change gradients in a hook registered "
-                        "before step_in_backward(), or use the ordinary step")
+                        f"step_in_backward: {describe(p, gi, pi)} was given a gradient between "
+                        "backward and step(), after it had stepped inside backward with the "
+                        "one the pass made: the ordinary step would step it with the new one; "
+                        f"stepped again, it would step twice. {nothing_done}. Change gradients "
+                        "in a hook registered before step_in_backward(), or use the ordinary "
+                        "step")
 
     def _left_to_step(self) -> bool:
         """Gradients no bucket took, which step() steps (DDP's keep theirs: not those)."""

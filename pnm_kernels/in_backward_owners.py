@@ -10,6 +10,8 @@ import weakref
 import torch
 from torch.optim.optimizer import register_optimizer_step_pre_hook
 
+from .params import describe
+
 # The WatchedParams of every handle not removed.
 _LIVE: weakref.WeakSet = weakref.WeakSet()
 _STEP_HOOK: list = []  # the global step pre-hook, once registered
@@ -73,8 +75,8 @@ def _refuse_stepping_elsewhere(optimizer, args, kwargs) -> None:
     if found is not None:
         (gi, pi), p, other = found
         raise RuntimeError(
-            f"step_in_backward: {type(optimizer).__name__}'s param_groups[{gi}]['params'][{pi}] "
-            f"(shape {tuple(p.shape)}) steps inside backward in another optimizer "
+            f"step_in_backward: {type(optimizer).__name__}'s {describe(p, gi, pi)} steps inside "
+            "backward in another optimizer "
             f"({type(other).__name__}), which frees its gradient as soon as it has stepped: "
             f"this step would find none. Nothing was stepped. {_REMEDY}")
 
