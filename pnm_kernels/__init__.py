@@ -4,9 +4,10 @@ import torch
 
 from . import _ops  # noqa: F401  (loads the compiled extension when it is built)
 from .backends import resolve_backend
+from .in_backward_owners import stepping_in_backward
 from .optimizers import BACKENDS, PNM, AdaPNM
 
-__all__ = ["PNM", "AdaPNM", "BACKENDS", "available_backends"]
+__all__ = ["PNM", "AdaPNM", "BACKENDS", "available_backends", "stepping_in_backward"]
 __version__ = "0.1.0"
 
 

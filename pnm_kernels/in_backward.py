@@ -41,7 +41,7 @@ class StepInBackward:
                              f"got {bucket_mib!r}")
         if getattr(optimizer, "_in_backward", None) is not None:
             raise RuntimeError("step_in_backward: this optimizer already steps inside backward "
-                               "(remove() its handle first)")
+                               "(remove() its handle first: optimizer.step_in_backward_handle)")
         models = list(ddp) if isinstance(ddp, (list, tuple)) else [] if ddp is None else [ddp]
         models = list({id(model): model for model in models}.values())  # each hooked once
         for model in models:
@@ -467,6 +467,7 @@ _UNZEROED = ("step_in_backward: {}: the ordinary step would step the sum, but th
              "torch.autograd.grad, which fills no .grad; a pass not meant to step these "
              "parameters, as a GAN's generator pass reaching its discriminator: freeze them "
              "during it with requires_grad_(False); an optimizer replaced without "
-             "handle.remove() keeps stepping inside backward through its hooks: remove() it)")
+             "handle.remove() keeps stepping inside backward through its hooks: "
+             "pnm_kernels.stepping_in_backward(model.parameters()) finds its handle)")
 
 __all__ = ["StepInBackward"]

@@ -28,6 +28,21 @@ def removed(watched) -> None:
     _LIVE.discard(watched)
 
 
+def stepping_in_backward(params=None) -> list:
+    """The handles, not removed, of the optimizers stepping any of `params` inside backward
+    (every one with `params` None): how a handle whose optimizer was replaced, or never kept,
+    is found and removed."""
+    ids = None if params is None else {id(p) for p in params}
+    handles: list = []
+    for watched in list(_LIVE):
+        handle = getattr(watched.optimizer, "_in_backward", None)
+        if handle is None or any(h is handle for h in handles):
+            continue
+        if ids is None or not ids.isdisjoint(watched.hooked_ids()):
+            handles.append(handle)
+    return handles
+
+
 def _stepped_elsewhere(optimizer, params):
     """The first of `params` ((label, parameter) pairs) whose gradient the step inside
     backward of another optimizer frees, with that optimizer; None if none."""
@@ -82,7 +97,7 @@ def _refuse_stepping_elsewhere(optimizer, args, kwargs) -> None:
 
 
 _REMEDY = ("Take it out of one of them, or remove() the other's handle (an optimizer replaced "
-           "without it keeps stepping inside backward through its hooks: keep the handle "
-           "step_in_backward() returns, and remove() it before replacing the optimizer)")
+           "without it keeps stepping inside backward through its hooks: "
+           "pnm_kernels.stepping_in_backward(model.parameters()) finds its handle)")
 
-__all__ = ["live", "refuse_stepped_elsewhere", "removed"]
+__all__ = ["live", "refuse_stepped_elsewhere", "removed", "stepping_in_backward"]

@@ -230,9 +230,15 @@ class _PositiveNegativeMomentum(Optimizer):
         refused (the step would come before the all-reduce).
 
         Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
-        restores the ordinary step.
+        restores the ordinary step (``opt.step_in_backward_handle`` gives it again).
         """
         return StepInBackward(self, bucket_mib, ddp)
+
+    @property
+    def step_in_backward_handle(self) -> Optional[StepInBackward]:
+        """The handle of ``step_in_backward()`` while this optimizer steps inside backward
+        (None otherwise), to ``remove()`` where the returned one was not kept."""
+        return self._in_backward
 
     @torch.no_grad()
     def _step_only(self, params, first_of_pass: bool = False) -> None:

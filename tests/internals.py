@@ -76,12 +76,6 @@ def state_buffer_names(opt):
 
 # --- the step inside backward (pnm_kernels/in_backward.py) ----------------------------------
 
-def step_in_backward_handle(opt):
-    """The handle `opt` steps inside backward with (None: the ordinary step): the optimizer's
-    `_in_backward`."""
-    return opt._in_backward
-
-
 def record_bucket_steps(opt):
     """A list that gets, for each bucket `opt` steps by itself, (how many parameters, inside a
     backward pass?). Wraps `opt._step_only` on the instance."""

@@ -12,8 +12,7 @@ import re
 import pytest
 import torch
 
-from internals import step_in_backward_handle
-from pnm_kernels import PNM, AdaPNM
+from pnm_kernels import PNM, AdaPNM, stepping_in_backward
 from test_in_backward_failed_passes import _FailsInBackward
 from test_step_in_backward import _assert_same, _batches, _model, _train
 
@@ -72,7 +71,7 @@ def test_removed_mid_training_the_ordinary_step_steps_what_it_would(
         assert torch.equal(p, q) and (p.grad is None) == (q.grad is None)
         assert p.grad is None or torch.equal(p.grad, q.grad)
         assert all(torch.equal(v, ordinary_opt.state[q][k]) for k, v in opt.state[p].items())
-    assert step_in_backward_handle(opt) is None
+    assert opt.step_in_backward_handle is None
 
 
 def _clipped_weights(in_backward, clip_at, through_data=False):
@@ -166,7 +165,7 @@ def test_after_remove_between_backward_and_step_the_optimizer_is_free_at_once():
         if _ == 1:
             handle.remove()
         opt.step() if _ == 0 else None
-    assert step_in_backward_handle(opt) is None
+    assert opt.step_in_backward_handle is None
     opt.add_param_group(dict(params=extra.parameters()))
     opt.step_in_backward().remove()  # not refused as "already steps inside backward"
     opt.step()
@@ -255,7 +254,7 @@ def test_load_state_dict_keeps_the_step_in_backward():
         _train(model, opt, batches[:3])
         opt.load_state_dict(copy.deepcopy(opt.state_dict()))
         if handle is not None:
-            assert step_in_backward_handle(opt) is handle
+            assert opt.step_in_backward_handle is handle
             with pytest.raises(RuntimeError, match="already steps inside backward"):
                 opt.step_in_backward()
         _train(model, opt, batches[3:])
@@ -520,7 +519,7 @@ def test_a_parameter_stepping_in_backward_elsewhere_is_refused_when_enabling_or_
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[2\] already steps "
                                            r"inside backward in another optimizer \(PNM\)"):
         second.step_in_backward()
-    assert step_in_backward_handle(second) is None
+    assert second.step_in_backward_handle is None
     third = AdaPNM(model[4].parameters(), lr=1e-2)
     third.step_in_backward()
     with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] already steps "
@@ -528,6 +527,36 @@ def test_a_parameter_stepping_in_backward_elsewhere_is_refused_when_enabling_or_
         third.add_param_group({"params": [model[0].weight]})
     assert len(third.param_groups) == 1
     _train(model, first, _batches(3))  # third's step sees no parameter of first's
+
+
+def test_a_handle_not_kept_is_found_by_its_parameters_and_removed():
+    """An optimizer replaced without removing its handle keeps stepping inside backward
+    through its hooks, and the new one's step is refused saying how to find the handle:
+    pnm_kernels.stepping_in_backward(params), or the optimizer's step_in_backward_handle.
+    Once removed, the new optimizer takes the ordinary loop over, as a fresh one would."""
+    model, fresh_model = _model(), _model()
+    old = PNM(model.parameters(), lr=1e-2)
+    old.step_in_backward(bucket_mib=1e-6)  # the handle not kept
+    handle = old.step_in_backward_handle
+    _train(model, old, _batches(2))
+    assert stepping_in_backward(model.parameters()) == [handle]
+    assert stepping_in_backward(model[4].parameters()) == [handle]
+    assert stepping_in_backward(torch.nn.Linear(2, 2).parameters()) == []
+    assert any(h is handle for h in stepping_in_backward())
+    new = AdaPNM(model.parameters(), lr=1e-2)
+    with pytest.raises(RuntimeError, match=r"pnm_kernels\.stepping_in_backward\(model\."
+                                           r"parameters\(\)\) finds its handle"):
+        _train(model, new, _batches(1))
+    for found in stepping_in_backward(model.parameters()):
+        found.remove()
+    assert old.step_in_backward_handle is None and stepping_in_backward(model.parameters()) == []
+    with torch.no_grad():
+        for p, q in zip(fresh_model.parameters(), model.parameters()):
+            p.copy_(q)
+    fresh = AdaPNM(fresh_model.parameters(), lr=1e-2)
+    new.zero_grad(), fresh.zero_grad()
+    _train(model, new, _batches(3)), _train(fresh_model, fresh, _batches(3))
+    _assert_same(model, new, fresh_model, fresh)
 
 
 def test_a_gradient_given_by_hand_between_backward_and_step_is_refused_not_stepped_twice():
@@ -571,7 +600,7 @@ def test_a_gradient_given_by_hand_then_the_handle_removed_is_refused_by_the_remo
     with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\]\[5\] .* was given a "
                                            r"gradient .*The handle was not removed"):
         handle.remove()
-    assert step_in_backward_handle(opt) is handle
+    assert opt.step_in_backward_handle is handle
     model[4].bias.grad = None
     handle.remove()
     opt.step()
@@ -633,5 +662,5 @@ def test_leaving_the_with_block_through_a_refused_step_removes_the_handle():
             model(batches[2]).pow(2).mean().backward()
             model[4].bias.grad = torch.zeros_like(model[4].bias)
             opt.step()
-    assert step_in_backward_handle(opt) is None
+    assert opt.step_in_backward_handle is None
     assert all(not p._post_accumulate_grad_hooks for p in model.parameters())

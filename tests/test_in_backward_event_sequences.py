@@ -35,7 +35,6 @@ import torch
 from torch.utils.checkpoint import checkpoint
 
 from conftest import requires_extension
-from internals import step_in_backward_handle
 from pnm_kernels import PNM, AdaPNM
 from test_in_backward_failed_passes import _FailsInBackward
 
@@ -95,11 +94,11 @@ class Side:
             self.opt.step_in_backward(bucket_mib=bucket_mib)
 
     def remove(self):
-        if step_in_backward_handle(self.opt) is not None:
-            step_in_backward_handle(self.opt).remove()
+        if self.opt.step_in_backward_handle is not None:
+            self.opt.step_in_backward_handle.remove()
 
     def backward(self, x, skip=(), fail=None, accumulating=False, scaler=None):
-        handle = step_in_backward_handle(self.opt)
+        handle = self.opt.step_in_backward_handle
         loss = self.model(x.to(self.dtype), skip, fail, self.head, self.segments)
         with handle.accumulating() if accumulating and handle else contextlib.nullcontext():
             (scaler.scale(loss) if scaler else loss).backward()
@@ -145,10 +144,10 @@ class Loop:
         return "\n    ".join([what, self.log[0], "...", *self.log[-20:]])
 
     def attached(self):
-        return step_in_backward_handle(self.B.opt) is not None
+        return self.B.opt.step_in_backward_handle is not None
 
     def probing(self):
-        return self.attached() and step_in_backward_handle(self.B.opt).probing()
+        return self.attached() and self.B.opt.step_in_backward_handle.probing()
 
     def batch(self):
         return torch.randn(4, 6, generator=self.batches)
