@@ -79,8 +79,8 @@ def _places(saved) -> list:
 
 def refuse_codes_read_as_values(optimizer, state_dict: dict) -> list:
     """Raises, naming the first, where entries saved holding codes come holding floats
-    (marking each of the optimizer's own entries the load had written into: its tensors are
-    the state_dict's); returns the saved groups without KEY (it is not a hyper-parameter)."""
+    (marking each of the optimizer's own entries the load had written into, where it loaded
+    into the optimizer's own tensors); returns the saved groups without KEY (it is not a hyper-parameter)."""
     state = state_dict.get("state", {})
     saved_groups = state_dict.get("param_groups", [])
     refused = []
@@ -92,11 +92,17 @@ def refuse_codes_read_as_values(optimizer, state_dict: dict) -> list:
             read = [name for name in entry if name in SIGNED and buffer in (None, name)
                     and torch.is_tensor(entry[name]) and entry[name].is_floating_point()]
             if read:
-                refused.append((gi, index, read[0], entry[read[0]].dtype))
+                refused.append((gi, index, read[0], entry[read[0]]))
     if not refused:
         return [{k: v for k, v in saved.items() if k != KEY} for saved in saved_groups]
+    # Written into in place only if a refused buffer is one of the optimizer's own tensors
+    # (DCP's load): a state_dict() of its own, its codes replaced by new float tensors, holds
+    # the optimizer's tensors too, untouched.
+    held = {_storage(t) for entry in optimizer.state.values() if isinstance(entry, dict)
+            for t in entry.values() if torch.is_tensor(t)} - {0}
+    in_place = any(_storage(buffer) in held for _, _, _, buffer in refused)
     written_into_own = False
-    for saved, group in zip(saved_groups, optimizer.param_groups):
+    for saved, group in zip(saved_groups, optimizer.param_groups if in_place else []):
         ids, params = saved.get("params", []), group["params"]
         if len(ids) != len(params):  # not this optimizer's groups (torch's load refuses)
             continue
@@ -107,9 +113,9 @@ def refuse_codes_read_as_values(optimizer, state_dict: dict) -> list:
                                      "into its state (int8 codes read as floats, or a "
                                      "checkpoint's values beside them)")
                 written_into_own = True
-    gi, index, name, dtype = refused[0]
+    gi, index, name, buffer = refused[0]
     raise ValueError(
-        f"state_dict['state'][{index!r}][{name!r}] is {dtype}, yet it was saved holding int8 "
+        f"state_dict['state'][{index!r}][{name!r}] is {buffer.dtype}, yet it was saved holding int8 "
         f"codes (param_groups[{gi}]['{KEY}']): read through the state_dict of an optimizer "
         "with another state_dtype? (torch.distributed.checkpoint loads into the keys and "
         "dtypes of the state_dict it is given"

@@ -183,6 +183,30 @@ def test_entries_a_refused_load_wrote_into_refuse_to_step_until_deleted_or_loade
     _continue_alike(into, into_params, opt, params, steps=2)
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_refused_load_of_its_own_state_dict_with_codes_made_floats_marks_nothing(name):
+    """optimizer.state_dict() holds the optimizer's own tensors, as torch's does: with one
+    buffer's codes replaced by new float tensors (decoded by hand, say) its load is refused,
+    yet nothing was written, and the optimizer steps on as before (no entry marked)."""
+    params = _params()
+    opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 2)
+    expected_params = [torch.nn.Parameter(p.detach().clone()) for p in params]
+    expected = OPTIMIZERS[name](expected_params, lr=1e-2, state_dtype=torch.int8)
+    expected.load_state_dict(round_trip(opt.state_dict()))
+    own = opt.state_dict()
+    for entry in own["state"].values():
+        codes = [key for key, value in entry.items() if value.dtype == torch.int8]
+        if codes:
+            entry[codes[0]] = entry[codes[0]].float()
+    with pytest.raises(ValueError, match=r"yet it was saved holding int8 codes"):
+        opt.load_state_dict(own)
+    assert not any("written_by_refused_load" in opt.state[p] for p in params)
+    _run(opt, params, 2, first=2)
+    _run(expected, expected_params, 2, first=2)
+    assert_same_bits(opt, params, expected, expected_params)
+
+
 @pytest.mark.parametrize("copied", ["deepcopy", "pickle"])
 def test_the_saved_form_survives_a_copy_of_the_optimizer(copied):
     """torch pickles (and deep-copies) an optimizer without its hooks: a copy's state_dict
