@@ -46,8 +46,17 @@ struct BlockCodes {
       largest = b > largest ? b : largest;
     }
     const float scale = Map::block_scale(largest);
-    const float inverse = 1.0f / scale;
-    for (int i = 0; i < n; ++i) codes[i] = static_cast<Code>(Map::encode(x[i], inverse, bits[i]));
+    const float lift = Map::lift(largest);
+    const float inverse = Map::lifted_inverse(scale, lift);
+    if (lift != 1.0f) {  // a subnormal scale: rare, kept out of the usual loop
+      for (int i = 0; i < n; ++i) {
+        codes[i] = static_cast<Code>(Map::encode(x[i], lift, inverse, bits[i]));
+      }
+      return scale;
+    }
+    for (int i = 0; i < n; ++i) {
+      codes[i] = static_cast<Code>(Map::encode(x[i], 1.0f, inverse, bits[i]));
+    }
     return scale;
   }
 };

@@ -198,12 +198,13 @@ PNM_HOST_DEVICE void int8_lane_encode(const Int8Table<Algo::kLists>& tab, const 
   constexpr int kWritten = Int8Lane<Algo>::kWritten;
   const int s = c.slot;
   const int momentum_list = list_of(2, c.odd);
-  float inverse[kWritten];
+  float lift[kWritten], inverse[kWritten];
 PNM_UNROLL
   for (int w = 0; w < kWritten; ++w) {
     const float scale = w == 0 ? SignedCodes::block_scale(block_largest[w])
                                : UnsignedCodes::block_scale(block_largest[w]);
-    inverse[w] = 1.0f / scale;
+    lift[w] = SignedCodes::lift(block_largest[w]);
+    inverse[w] = SignedCodes::lifted_inverse(scale, lift[w]);
     if (lane == 0) tab.scales[(w == 0 ? momentum_list : w + 3) - 2][s][q.index] = scale;
   }
 PNM_UNROLL
@@ -213,11 +214,12 @@ PNM_UNROLL
     // The high 16 bits round the momentum, the low ones the second moment and its maximum.
     const uint32_t hash = code_block_hash(c, q, i);
     static_cast<int8_t*>(tab.ptrs[momentum_list][s])[q.begin + i] =
-        static_cast<int8_t>(SignedCodes::encode(in.value[0][k], inverse[0], hash >> 16));
+        static_cast<int8_t>(
+            SignedCodes::encode(in.value[0][k], lift[0], inverse[0], hash >> 16));
 PNM_UNROLL
     for (int w = 1; w < kWritten; ++w) {
       static_cast<uint8_t*>(tab.ptrs[w + 3][s])[q.begin + i] = static_cast<uint8_t>(
-          UnsignedCodes::encode(in.value[w][k], inverse[w], hash & 0xFFFFu));
+          UnsignedCodes::encode(in.value[w][k], lift[w], inverse[w], hash & 0xFFFFu));
     }
   }
 }

@@ -59,11 +59,23 @@ struct CodeMap {
     return largest < 0x7F800000u ? float_from_bits(largest) : float_from_bits(0x7FC00000u);
   }
 
-  // x's code in a block of this scale (`inverse` = 1 / scale) with 16 random bits: up with
-  // probability (a - below) / (above - below), compared without the division. No branch on
-  // the value: the CPU kernel's loop over a block vectorises.
-  static PNM_HOST_DEVICE int32_t encode(float x, float inverse, uint32_t bits) {
-    const float a = product_rn(fabsf(x), inverse);  // NaN where the scale is 0 or NaN: code 0
+  // What a block's values and scale are multiplied by before the division (exact): 2^24
+  // where the scale (from the largest scale_bits) is subnormal, whose inverse would overflow.
+  static PNM_HOST_DEVICE float lift(uint32_t largest) {
+    return largest < 0x00800000u ? 16777216.0f : 1.0f;
+  }
+
+  // The inverse of a block's scale, lifted: 1 / (scale * lift).
+  static PNM_HOST_DEVICE float lifted_inverse(float scale, float lift) {
+    return 1.0f / product_rn(scale, lift);
+  }
+
+  // x's code in a block of this scale (`inverse` = lifted_inverse(scale, lift)) with 16 random
+  // bits: up with probability (a - below) / (above - below), compared without the division.
+  // No branch on the value: the CPU kernel's loop over a block vectorises.
+  static PNM_HOST_DEVICE int32_t encode(float x, float lift, float inverse, uint32_t bits) {
+    // NaN where the scale is 0 or NaN: code 0.
+    const float a = product_rn(product_rn(fabsf(x), lift), inverse);
     float root = sqrtf(a);
     if (kPower == 4) root = sqrtf(root);
     float low = floorf(product_rn(root, kMax));

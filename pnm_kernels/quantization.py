@@ -21,7 +21,9 @@ probability (x - lo) / (hi - lo) (to within 2^-16), decided by 16 random bits (t
 rounding.py gives the buffer's bfloat16): unbiased. A step writes the buffers it changes;
 the momentum it only reads keeps its codes. A block whose largest magnitude is 0 stores zeros; one holding
 a non-finite value stores scale NaN (the whole block reads NaN: GradScaler's skipped steps
-never write one).
+never write one). A block whose scale is subnormal (below 2^-126, where 1 / scale overflows)
+is encoded at 2^24 times its values and scale, which is exact: its codes are those of the
+same values in a normal range.
 """
 import math
 from typing import Optional
@@ -39,6 +41,9 @@ SIGNED = {"pos_momentum": True, "neg_momentum": True, "exp_avg": True, "neg_exp_
 # A checkpoint's float state converted into codes, and codes read back into another dtype,
 # round to nearest: random bits fixed at one half.
 NEAREST_BITS = 0x8000
+# Blocks of a scale below the smallest normal float32 are encoded lifted by this power of two.
+SMALLEST_NORMAL = 2.0 ** -126
+SUBNORMAL_LIFT = 2.0 ** 24
 
 
 def scale_name(name: str) -> str:
@@ -135,8 +140,11 @@ def quantize(x: torch.Tensor, bits, signed: bool):
     if not signed:  # a negative second moment: NaN too
         finite &= _blocks(rows, length).amin(dim=-1) >= 0
     block_scales = torch.where(finite, block_scales, torch.full_like(block_scales, float("nan")))
-    inverse = _per_element(1.0 / block_scales, length)  # one division a block
-    a = magnitude * inverse  # in [0, 1]; NaN where the block is all zeros or not finite
+    lift = torch.ones_like(block_scales).masked_fill(block_scales < SMALLEST_NORMAL,
+                                                     SUBNORMAL_LIFT)  # 1 for NaN
+    inverse = _per_element(1.0 / (block_scales * lift), length)  # one division a block
+    # In [0, 1]; NaN where the block is all zeros or not finite.
+    a = (magnitude * _per_element(lift, length)) * inverse
     root = torch.sqrt(a) if power >= 2 else a
     if power == 4:
         root = torch.sqrt(root)

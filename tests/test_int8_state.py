@@ -126,6 +126,46 @@ def test_the_largest_magnitude_is_kept_exactly_and_zero_blocks_stay_zero():
     assert torch.equal(values.reshape(3, 2, BLOCK).gather(-1, top), blocks.gather(-1, top))
 
 
+@pytest.mark.parametrize("signed", [True, False])
+def test_a_block_of_subnormal_values_gets_the_codes_of_the_same_values_lifted_to_normal(signed):
+    """1 / scale overflows for a subnormal scale (below 2^-126): such a block is encoded at
+    2^24 times its values and scale, which is exact, so its codes are those of the lifted
+    values (each value rounded to a neighbouring code, unbiased), not all the block's largest."""
+    gen = torch.Generator().manual_seed(0)
+    steps = torch.randint(1, 2**20, (3, 2 * BLOCK), generator=gen).float()  # k * 2^-149: exact
+    if signed:
+        steps *= torch.randint(0, 2, steps.shape, generator=gen) * 2 - 1
+    subnormal, lifted = steps * 2.0**-149, steps * 2.0**-125
+    assert (subnormal.abs() < 2.0**-126).all()
+    bits = torch.randint(0, 2**16, steps.shape, generator=gen)
+    codes, scales = quantize(subnormal, bits, signed)
+    lifted_codes, lifted_scales = quantize(lifted, bits, signed)
+    assert torch.equal(codes, lifted_codes) and torch.equal(scales * 2.0**24, lifted_scales)
+    assert (codes.int().abs() < codes.int().abs().amax()).any()  # not every value the largest
+
+
+@parametrize(INT8_PATHS, args=("name", "path"))
+def test_every_path_codes_a_subnormal_momentum_as_the_reference(name, path):
+    """A momentum of subnormal gradients (beta1 = 0: the gradient itself), lr 0: every path
+    writes the reference's codes and scales, bitwise."""
+    betas = (0.0, 1.0) if name == "PNM" else (0.0, 0.999, 1.0)
+    runs = []
+    for backend in ("reference", path):
+        torch.manual_seed(0)  # the same seed for each parameter's random bits
+        params = [torch.nn.Parameter(torch.zeros(4, 300))]
+        opt = OPTIMIZERS[name](params, lr=0.0, betas=betas, backend=backend,
+                               state_dtype=torch.int8)
+        gen = torch.Generator().manual_seed(1)
+        params[0].grad = torch.randint(-2**20, 2**20, (4, 300), generator=gen) * 2.0**-149
+        opt.step()
+        runs.append(opt.state[params[0]])
+    momentum = "pos_momentum" if name == "PNM" else "exp_avg"
+    for key in (momentum, scale_name(momentum)):
+        assert torch.equal(runs[1][key], runs[0][key]), key
+    assert runs[0][momentum].int().abs().amax() == 127
+    assert (runs[0][momentum].int().abs() < 100).any()
+
+
 def test_a_block_holding_a_non_finite_value_reads_nan_and_the_others_stay():
     x = torch.randn(2, 2 * BLOCK)
     x[0, 5] = float("inf")

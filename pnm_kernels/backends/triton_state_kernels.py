@@ -189,11 +189,13 @@ def _encode(ptr, scale_ptr, x, bits, mask, block_mask, SIGNED: tl.constexpr):
         scale_bits = tl.where(mask & (u > 0x80000000), 0xFFFFFFFF, scale_bits)
     largest = tl.max(scale_bits, axis=1)
     scale = tl.where(largest < 0x7F800000, largest, 0x7FC00000).to(tl.float32, bitcast=True)
-    inverse = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale)
+    # A subnormal scale's values and scale lifted by 2^24 (exact): 1 / scale would overflow.
+    lift = tl.where(largest < 0x00800000, 16777216.0, 1.0)
+    inverse = tl.div_rn(tl.full(scale.shape, 1.0, tl.float32), scale * lift)
     tl.store(scale_ptr, scale, mask=block_mask)
     CODE_MAX: tl.constexpr = 127 if SIGNED else 255
     POWER: tl.constexpr = 2 if SIGNED else 4
-    a = tl.abs(x) * inverse[:, None]  # NaN where the scale is 0 or NaN: code 0
+    a = (tl.abs(x) * lift[:, None]) * inverse[:, None]  # NaN where the scale is 0 or NaN: code 0
     root = tl.sqrt_rn(a)
     if POWER == 4:
         root = tl.sqrt_rn(root)
