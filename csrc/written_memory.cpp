@@ -19,13 +19,16 @@ constexpr int kCoarseShift = 16;
 constexpr uintptr_t kSmallGranules = 16;
 
 // The bytes a strided tensor's elements span (none without memory of its own: a meta tensor's
-// storage has no data). Read from the TensorImpl: thousands of gradients a step.
-bool span_of(const at::Tensor& t, uintptr_t& begin, uintptr_t& end) {
+// storage has no data), in memory and from its storage's start (`in_storage`, if given).
+// Read from the TensorImpl: thousands of gradients a step.
+bool span_of(const at::Tensor& t, uintptr_t& begin, uintptr_t& end,
+             StorageSpan* in_storage = nullptr) {
   if (!t.defined()) return false;
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
   if (!impl->has_storage() || impl->layout() != at::kStrided) return false;
   const int64_t numel = impl->numel();
-  const void* data = impl->unsafe_storage().data();
+  const c10::Storage& storage = impl->unsafe_storage();
+  const void* data = storage.data();
   if (numel == 0 || data == nullptr) return false;
   int64_t extent = numel;
   if (!impl->is_contiguous()) {
@@ -34,11 +37,16 @@ bool span_of(const at::Tensor& t, uintptr_t& begin, uintptr_t& end) {
     for (size_t d = 0; d < sizes.size(); ++d) extent += (sizes[d] - 1) * strides[d];
   }
   const auto size = static_cast<uintptr_t>(impl->itemsize());
-  begin = reinterpret_cast<uintptr_t>(data) +
-          static_cast<uintptr_t>(impl->storage_offset()) * size;
+  const uintptr_t offset = static_cast<uintptr_t>(impl->storage_offset()) * size;
+  begin = reinterpret_cast<uintptr_t>(data) + offset;
   end = begin + static_cast<uintptr_t>(extent) * size;
+  if (in_storage != nullptr) {
+    *in_storage = {reinterpret_cast<uintptr_t>(storage.unsafeGetStorageImpl()), offset,
+                   offset + (end - begin)};
+  }
   return true;
 }
+
 
 inline uint64_t filter_slot(uintptr_t granule, int bits) {
   return (static_cast<uint64_t>(granule) * 0x9E3779B97F4A7C15ull) >> (64 - bits);
@@ -94,8 +102,10 @@ ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read) {
 
 void WrittenMemory::add_tensor(const at::Tensor& t) {
   uintptr_t begin = 0, end = 0;
-  if (!span_of(t, begin, end)) return;
+  StorageSpan in_storage{};
+  if (!span_of(t, begin, end, &in_storage)) return;
   spans_.push_back({begin, end});
+  storage_spans_.push_back(in_storage);
   sealed_ = false;
 }
 
@@ -113,8 +123,10 @@ void WrittenMemory::add_lists(const c10::intrusive_ptr<StepLists>& lists) {
 
 void WrittenMemory::clear() {
   spans_.clear();
+  storage_spans_.clear();
   fine_ = Filter();
   coarse_ = Filter();
+  storages_ = Filter();
   sealed_ = true;
 }
 
@@ -142,6 +154,25 @@ void WrittenMemory::seal() {
     if (is_small(s.begin, s.end)) fine_.mark(s.begin, s.end, kFineShift);
     else coarse_.mark(s.begin, s.end, kCoarseShift);
   }
+  // Storage by storage, merged likewise (so that each storage's ends are sorted too).
+  std::sort(storage_spans_.begin(), storage_spans_.end(),
+            [](const StorageSpan& a, const StorageSpan& b) {
+              return a.storage != b.storage ? a.storage < b.storage : a.begin < b.begin;
+            });
+  kept = 0;
+  uintptr_t storages = 0;
+  for (const StorageSpan& s : storage_spans_) {
+    StorageSpan* last = kept > 0 ? &storage_spans_[kept - 1] : nullptr;
+    if (last != nullptr && last->storage == s.storage && s.begin <= last->end) {
+      last->end = std::max(last->end, s.end);
+    } else {
+      storages += last == nullptr || last->storage != s.storage;
+      storage_spans_[kept++] = s;
+    }
+  }
+  storage_spans_.resize(kept);
+  storages_.size(storages);
+  for (const StorageSpan& s : storage_spans_) storages_.mark(s.storage, s.storage + 1, 0);
   sealed_ = true;
 }
 
@@ -178,9 +209,22 @@ bool WrittenMemory::meets(uintptr_t begin, uintptr_t end) const {
   return it != spans_.end() && it->begin < end;
 }
 
+bool WrittenMemory::meets_in_storage(const StorageSpan& span) const {
+  if (!storages_.marked(span.storage, span.storage + 1, 0)) return false;
+  // The first span of that storage ending after span.begin.
+  const auto it = std::upper_bound(
+      storage_spans_.begin(), storage_spans_.end(), span,
+      [](const StorageSpan& a, const StorageSpan& b) {
+        return a.storage != b.storage ? a.storage < b.storage : a.begin < b.end;
+      });
+  return it != storage_spans_.end() && it->storage == span.storage && it->begin < span.end;
+}
+
 bool WrittenMemory::met(const at::Tensor& grad) const {
   uintptr_t begin = 0, end = 0;
-  return span_of(grad, begin, end) && meets(begin, end);
+  StorageSpan in_storage{};
+  return span_of(grad, begin, end, &in_storage) &&
+         (meets(begin, end) || meets_in_storage(in_storage));
 }
 
 int64_t WrittenMemory::first_met(const std::vector<at::Tensor>& grads) {

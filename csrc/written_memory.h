@@ -32,6 +32,14 @@ struct ExtentsMeet {
 };
 ExtentsMeet where_extents_meet(at::TensorList written, at::TensorList read);
 
+// A tensor's extent counted from its storage's start. A storage's memory can move without any
+// tensor of it changing (`storage.resize_()`, `t.share_memory_()`), leaving an extent in
+// memory where it was: a gradient in the same storage is found by these.
+struct StorageSpan {
+  uintptr_t storage;  // the StorageImpl's address
+  uintptr_t begin, end;
+};
+
 class WrittenMemory : public torch::CustomClassHolder {
  public:
   // The memory of these tensors (a cached batch's, from Python), or of a StepLists' params,
@@ -51,12 +59,15 @@ class WrittenMemory : public torch::CustomClassHolder {
   struct Span {
     uintptr_t begin, end;  // bytes [begin, end): a strided tensor's whole extent
   };
+  using StorageSpan = pnm::StorageSpan;
   void add_tensor(const at::Tensor& t);
-  void seal();  // sorts and merges the spans, and fills the filter
+  void seal();  // sorts and merges the spans, and fills the filters
   bool meets(uintptr_t begin, uintptr_t end) const;
+  bool meets_in_storage(const StorageSpan& span) const;
   bool met(const at::Tensor& grad) const;  // sealed
 
   std::vector<Span> spans_;
+  std::vector<StorageSpan> storage_spans_;
   bool sealed_ = true;
   // Filters of hashed granules of memory (written_memory.cpp says which): a gradient none
   // of whose granules is marked meets no span, found with a bit test or two where a search
@@ -69,6 +80,7 @@ class WrittenMemory : public torch::CustomClassHolder {
     bool marked(uintptr_t begin, uintptr_t end, int shift) const;
   };
   Filter fine_, coarse_;
+  Filter storages_;  // the storages of storage_spans_, as one-byte granules at their address
 };
 
 }  // namespace pnm

@@ -141,13 +141,19 @@ class WrittenSpans:
         self._spans: list[tuple[int, int]] = []
         self._merged: list[list[int]] = []
         self._starts: list[int] = []
+        # The same from each storage's start, by storage: a storage's memory can move with
+        # no tensor of it changing (`t.share_memory_()`), leaving a span where it was.
+        self._in_storage: dict[int, list[tuple[int, int]]] = {}
 
     def add(self, tensors) -> None:
+        tensors = list(tensors)
         self._spans += filter(None, map(_extent_of, tensors))
         self._merged = []  # sorted and disjoint (so their ends sorted too), made when read
+        for storage, start, end in filter(None, map(_extent_in_storage, tensors)):
+            self._in_storage.setdefault(storage, []).append((start, end))
 
     def clear(self) -> None:
-        self._spans, self._merged = [], []
+        self._spans, self._merged, self._in_storage = [], [], {}
 
     def params_grads_met(self, params) -> bool:
         return self.grads_met(p.grad for p in params)
@@ -160,10 +166,17 @@ class WrittenSpans:
                 else:
                     self._merged.append([start, end])
             self._starts = [start for start, _ in self._merged]
-        for span in filter(None, map(_extent_of, grads)):
+        for grad in grads:
+            span = _extent_of(grad)
+            if span is None:
+                continue
             k = bisect.bisect_left(self._starts, span[1])  # the spans starting before its end
             if k and self._merged[k - 1][1] > span[0]:
                 return True
+            if self._in_storage:
+                storage, start, end = _extent_in_storage(grad)
+                if any(s < end and start < e for s, e in self._in_storage.get(storage, ())):
+                    return True
         return False
 
 
@@ -191,6 +204,17 @@ def _extent_of(t):
         return None
     extent = 1 + sum((size - 1) * stride for size, stride in zip(t.shape, t.stride()))
     return start, start + extent * t.element_size()
+
+
+def _extent_in_storage(t):
+    """(its storage, and the bytes [start, end) of it t's elements span from its start); None
+    without memory."""
+    span = _extent_of(t)
+    if span is None:
+        return None
+    storage = t.untyped_storage()
+    start = span[0] - storage.data_ptr()
+    return storage._cdata, start, start + span[1] - span[0]
 
 
 def _overlaps_itself(t: torch.Tensor, extent: int) -> bool:

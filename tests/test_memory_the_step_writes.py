@@ -117,19 +117,43 @@ GRADIENT_PLACES = {
 }
 
 
+def _moved_in_place(t):
+    """t's storage given other memory in place, its bytes kept, as `t.share_memory_()` or a
+    storage resized to nothing and back (FSDP1's way of freeing) give it: no tensor of it
+    changes (the same storage, offset and layout), only where its elements lie."""
+    storage = t.untyped_storage()
+    before, blockers = storage.data_ptr(), []
+
+    def as_bytes():
+        return torch.empty(0, dtype=torch.uint8, device=t.device).set_(storage)
+
+    saved = as_bytes().clone()
+    for _ in range(16):  # until the allocator places it elsewhere
+        storage.resize_(0)
+        blockers.append(torch.empty(saved.numel(), dtype=torch.uint8, device=t.device))
+        storage.resize_(saved.numel())
+        if storage.data_ptr() != before:
+            break
+    assert storage.data_ptr() != before
+    as_bytes().copy_(saved)
+    return t
+
+
+@pytest.mark.parametrize("moved", [False, True], ids=["", "its-memory-moved-in-place"])
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["own-dtype-state",
                                                                       "bf16-state"])
 @pytest.mark.parametrize("place", list(GRADIENT_PLACES))
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_a_gradient_put_into_memory_the_step_writes_is_refused_before_any_change(
-        path, name, place, state_dtype):
+        path, name, place, state_dtype, moved):
     """`p.grad = q.data` (or a buffer of q's state, or of p's own) after steps whose lists
     are held, and repeated (state in the parameters' dtype, every group held) or planned each
     step (bfloat16 state, or beside a group whose lists are built every step: foreach's), in one
-    group, across groups, and across a group never held and a held one:
+    group, across groups, and across a group never held and a held one, also once that
+    memory was moved in place (`q.share_memory_()`, a storage resized):
     each backend would read it before or after writing it, so every one refuses it, naming
     both, as the reference does."""
-    _gradient_put_into_written_memory(path, name, place, state_dtype)
+    _gradient_put_into_written_memory(path, name, place, state_dtype, moved)
 
 
 @pytest.mark.parametrize("place", list(GRADIENT_PLACES))
@@ -139,9 +163,11 @@ def test_a_gradient_put_into_memory_the_step_writes_without_the_compiled_extensi
     """The same on a Triton-only install, whose held batches' memory is kept in Python."""
     triton_only_install(monkeypatch)
     _gradient_put_into_written_memory(path, name, place, torch.bfloat16)
+    if "state buffer" not in place:  # (a bfloat16 buffer is no float32 gradient)
+        _gradient_put_into_written_memory(path, name, place, torch.bfloat16, moved=True)
 
 
-def _gradient_put_into_written_memory(path, name, place, state_dtype):
+def _gradient_put_into_written_memory(path, name, place, state_dtype, moved=False):
     if state_dtype is not None and "state buffer" in place:
         pytest.skip("a bfloat16 buffer cannot be a float32 parameter's gradient")
     params = make_params([(8,), (8,), (8,), (8,)])
@@ -151,6 +177,8 @@ def _gradient_put_into_written_memory(path, name, place, state_dtype):
                            backend=path, state_dtype=state_dtype)
     train(opt, params, 3)
     i, target, named = GRADIENT_PLACES[place]
+    if moved:
+        _moved_in_place(target(opt, params))
     values = [p.detach().clone() for p in params]
     steps = [opt.state[p]["step"].clone() for p in params]
     for p in params:
@@ -173,14 +201,14 @@ LR_PLACES = {
 }
 
 
-def _lr_put_into_written_memory(path, name, place, how):
+def _lr_put_into_written_memory(path, name, place, how, moved=False):
     params = make_params([(8,), (8,), (8,)])
     lr = torch.tensor(1e-2, device=DEVICE)
     opt = OPTIMIZERS[name]([dict(params=params[:2], lr=lr), dict(params=params[2:])],
                            backend=path)
     train(opt, params, 3)
     target, named = LR_PLACES[place]
-    view = target(opt, params).view(())
+    view = (_moved_in_place(target(opt, params)) if moved else target(opt, params)).view(())
     view.fill_(1e-2)  # a valid lr, so that only where it lies is refused
     if how == "a new tensor":
         opt.param_groups[0]["lr"] = view
@@ -198,7 +226,7 @@ def _lr_put_into_written_memory(path, name, place, how):
         assert all(torch.equal(opt.state[p][k], t) for k, t in state.items())
 
 
-@pytest.mark.parametrize("how", ["a new tensor", "lr.data ="])
+@pytest.mark.parametrize("how", ["a new tensor", "lr.data =", "into memory moved in place"])
 @pytest.mark.parametrize("place", list(LR_PLACES))
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_a_tensor_lr_put_into_memory_the_step_writes_is_refused_before_any_change(
@@ -206,8 +234,9 @@ def test_a_tensor_lr_put_into_memory_the_step_writes_is_refused_before_any_chang
     """The step reads the lr while it writes that memory, each backend in another order (the
     CUDA kernels and Triton read it after some blocks were written): refused, naming the
     group's lr and what it shares, before anything is touched, also where the lists are
-    held and the step repeats."""
-    _lr_put_into_written_memory(path, name, place, how)
+    held and the step repeats, and where that memory was moved in place since."""
+    moved = how == "into memory moved in place"
+    _lr_put_into_written_memory(path, name, place, "a new tensor" if moved else how, moved)
 
 
 @pytest.mark.parametrize("place", list(LR_PLACES))
