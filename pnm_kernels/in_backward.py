@@ -87,7 +87,11 @@ class StepInBackward:
         # a reentrant checkpoint's, steps what is ready when it ends, its outer pass the rest).
         self._passes = PassEnds(self._step_pending)
         self._params = WatchedParams(optimizer, self._ready, self._reduced_here)
-        self.watch(p for group in optimizer.param_groups for p in group["params"])
+        try:
+            self.watch(p for group in optimizer.param_groups for p in group["params"])
+        except BaseException:  # a refused call leaves nothing hooked or registered
+            self._params.remove_hooks()
+            raise
         # DDP's parameters: stepped in its communication hook, bucket by bucket.
         self.reduced_steps = ReducedSteps(self) if self._reduced else None
         for reduced in self._reduced:
@@ -111,6 +115,12 @@ class StepInBackward:
         model given to step_in_backward reduces it), or one stepping inside backward in
         another optimizer. `named_params`: (where, parameter) pairs."""
         named_params = list(named_params)
+        for where, p in named_params:
+            if isinstance(p, torch.Tensor) and torch.nn.parameter.is_lazy(p):
+                raise ValueError(
+                    f"step_in_backward: {where} is an uninitialized parameter (a lazy "
+                    "module's), which no gradient hook can be put on: run a forward pass "
+                    "first (a dry run), then make the optimizer and call step_in_backward()")
         refuse_stepped_elsewhere(self._optimizer, named_params)
         refuse_ddp(((where, p) for where, p in named_params if id(p) not in self._reduced_here),
                    ddp_given=self._reduced_here != set())

@@ -27,10 +27,18 @@ class WatchedParams:
         """Hooks on these parameters (those requiring gradients); optimizer.add_param_group
         calls it for those it adds."""
         new = [p for p in params if not self.watches(p)]  # moved between groups: once
-        self._watched.update((id(p), weakref.ref(p)) for p in new)
         hooked = [p for p in new if p.requires_grad and id(p) not in self._reduced_here]
+        hooks: list = []
+        try:  # all or none: a hook refused midway leaves none of these
+            for p in hooked:
+                hooks.append(p.register_post_accumulate_grad_hook(self._on_ready))
+        except BaseException:
+            for hook in hooks:
+                hook.remove()
+            raise
+        self._watched.update((id(p), weakref.ref(p)) for p in new)
         self._hooked.update((id(p), weakref.ref(p)) for p in hooked)
-        self._hooks += [p.register_post_accumulate_grad_hook(self._on_ready) for p in hooked]
+        self._hooks += hooks
 
     def watches(self, p) -> bool:
         ref = self._watched.get(id(p))

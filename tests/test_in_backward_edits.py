@@ -8,6 +8,7 @@ test_in_backward_failed_passes.py; memory shared or made lazy: test_in_backward_
 import contextlib
 import copy
 import re
+import warnings
 
 import pytest
 import torch
@@ -405,6 +406,88 @@ def test_an_lr_set_between_backward_and_step_is_refused_by_the_probe_nothing_ste
     assert not opt.state
 
 
+def _take_out(opt, p):
+    opt.param_groups[0]["params"] = [q for q in opt.param_groups[0]["params"] if q is not p]
+
+
+def _move_to_a_new_group(opt, p):
+    _take_out(opt, p)
+    opt.add_param_group({"params": [p], "lr": 0.5})
+
+
+@pytest.mark.parametrize("edit", [_take_out, _move_to_a_new_group],
+                         ids=["taken-out", "moved-into-another-group"])
+def test_a_parameter_regrouped_between_backward_and_step_is_refused_by_the_probe_or_said(edit):
+    """The ordinary step steps the groups as they are at step() (a parameter taken out not at
+    all, one moved with its new group's lr); inside backward it stepped in its group at
+    backward. In the probe's iteration: refused naming the group, nothing stepped; past the
+    probe (it stepped already): said by a warning. Added to a group, nothing is said."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    batches = _batches(3)
+    model(batches[0]).pow(2).mean().backward()
+    before = [p.detach().clone() for p in model.parameters()]
+    edit(opt, model[4].bias)
+    with pytest.raises(RuntimeError, match=r"param_groups\[0\]\['params'\] \(a parameter taken "
+                                           r"out of it, or moved into another group\) was "
+                                           r"changed between backward and step\(\).*nothing "
+                                           r"was stepped"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not opt.state
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward(bucket_mib=1e-6)
+    _train(model, opt, batches[:1])  # the probe
+    opt.zero_grad()
+    model(batches[1]).pow(2).mean().backward()
+    edit(opt, model[4].bias)
+    with pytest.warns(UserWarning, match=r"param_groups\[0\]\['params'\] \(a parameter taken"):
+        opt.step()
+    with warnings.catch_warnings():  # a parameter added to a group is no change of this kind
+        warnings.simplefilter("error")
+        opt.zero_grad()
+        model(batches[2]).pow(2).mean().backward()
+        opt.param_groups[0]["params"].append(torch.nn.Parameter(torch.zeros(3)))
+        opt.step()
+
+
+def test_a_lazy_parameter_is_refused_naming_it_nothing_hooked():
+    """A lazy module's uninitialized parameter takes no gradient hook: step_in_backward()
+    (or a group added to an optimizer stepping inside backward) refuses it naming it, and
+    leaves nothing hooked or registered; after a dry run a new optimizer steps inside
+    backward as usual. A hook refused midway (by torch) leaves none of the others either."""
+    model = torch.nn.Sequential(torch.nn.Linear(3, 4), torch.nn.LazyLinear(1))
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    with pytest.raises(ValueError, match=r"param_groups\[0\]\['params'\]\[2\] is an "
+                                         r"uninitialized parameter"):
+        opt.step_in_backward()
+    assert opt.step_in_backward_handle is None and not stepping_in_backward(model.parameters())
+    assert not model[0].weight._post_accumulate_grad_hooks
+    model(torch.randn(2, 3))  # the dry run
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    handle = opt.step_in_backward()
+    with pytest.raises(ValueError, match=r"param_groups\[1\]\['params'\]\[0\] is an "
+                                         r"uninitialized parameter"):
+        opt.add_param_group({"params": torch.nn.LazyLinear(1).weight})
+    assert len(opt.param_groups) == 1
+    handle.remove()
+    refused_at = model[0].bias
+
+    def register(p, hook, original=torch.Tensor.register_post_accumulate_grad_hook):
+        if p is refused_at:
+            raise RuntimeError("refused by torch")
+        return original(p, hook)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.Tensor, "register_post_accumulate_grad_hook", register)
+        with pytest.raises(RuntimeError, match="refused by torch"):
+            opt.step_in_backward()
+    assert opt.step_in_backward_handle is None and not stepping_in_backward(model.parameters())
+    assert not model[0].weight._post_accumulate_grad_hooks
+
+
 @pytest.mark.parametrize("lr_kind", ["float", "tensor-filled", "tensor-data-filled"])
 def test_an_lr_set_between_backward_and_step_after_the_probe_is_said_and_applies_next(lr_kind):
     """Past the probe the buckets have stepped with the lr before: a warning names it, and
@@ -419,7 +502,6 @@ def test_an_lr_set_between_backward_and_step_after_the_probe_is_said_and_applies
 def _lr_set_after_micro_batches_the_last_pass_misses(in_backward, lr_set_before_step):
     """Past the probe, micro-batches inside accumulating() reach both layers, the last pass
     only the first; the lr is set before step() or after it."""
-    import warnings
 
     torch.manual_seed(0)
     a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 2)
@@ -464,7 +546,6 @@ def test_an_lr_set_before_step_applies_now_to_sums_no_bucket_took_and_the_warnin
 def test_hyper_parameters_set_before_backward_are_neither_refused_nor_said():
     """Schedulers stepped after optimizer.step() (every step, here) set the lr before the
     next backward pass, as stepping in backward needs."""
-    import warnings
 
     model = _model()
     opt = AdaPNM(model.parameters(), lr=1e-2)
