@@ -32,13 +32,14 @@ def stepping_in_backward(params=None) -> list:
     """The handles, not removed, of the optimizers stepping any of `params` inside backward
     (every one with `params` None): how a handle whose optimizer was replaced, or never kept,
     is found and removed."""
-    ids = None if params is None else {id(p) for p in params}
+    params = None if params is None else list(params)
     handles: list = []
     for watched in list(_LIVE):
         handle = getattr(watched.optimizer, "_in_backward", None)
         if handle is None or any(h is handle for h in handles):
             continue
-        if ids is None or not ids.isdisjoint(watched.hooked_ids()):
+        # By identity, not id(): a parameter gone may have left its id to another.
+        if params is None or any(watched.hooks(p) for p in params):
             handles.append(handle)
     return handles
 
