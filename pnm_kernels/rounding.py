@@ -19,9 +19,10 @@ parameter (bf16_stochastic_round) the low 16 bits of mix32(hash).
 
 Stochastic rounding of an fp32 value x to bf16: (bits(x) + 16 random bits) with its low 16
 bits cleared (a carry out of the mantissa rounds up to the next binade, or to inf past the
-largest bf16; an infinity stays itself); NaN becomes bf16's NaN. So x rounds up with
-probability (x - down) / (up - down): unbiased, where round-to-nearest lets an average with a
-small update (b1 = 0.999) stall at a fraction of its value.
+largest bf16; an infinity stays itself); NaN becomes 0x7FC0, as c10 writes it (not through
+torch's conversion, whose NaN follows the machine: 0xFFFF on an AVX-512 CPU). So x rounds up
+with probability (x - down) / (up - down): unbiased, where round-to-nearest lets an average
+with a small update (b1 = 0.999) stall at a fraction of its value.
 """
 import torch
 
@@ -31,6 +32,7 @@ GOLDEN = 0x9E3779B9
 MIX_MUL_1 = 0x21F0AAAD
 MIX_MUL_2 = 0xD35A2D97
 _LOW32 = 0xFFFFFFFF
+BF16_NAN_BITS = 0x7FC0
 
 # Which 16 bits of an element's hash round each buffer (the shift that brings them down).
 HASH_SHIFT = {"pos_momentum": 16, "neg_momentum": 16, "exp_avg": 16, "neg_exp_avg": 16,
@@ -104,8 +106,9 @@ def round_bf16_stochastic(x: torch.Tensor, bits: torch.Tensor) -> torch.Tensor:
     """x (float32) rounded to bfloat16 with these random bits (see the module's docstring)."""
     u = x.view(torch.int32).to(torch.int64) & _LOW32
     rounded = ((u + bits) & 0xFFFF0000) >> 16  # in [0, 2^16): the bf16's bit pattern
+    rounded = torch.where(torch.isnan(x), BF16_NAN_BITS, rounded)
     as_int16 = torch.where(rounded >= 0x8000, rounded - 0x10000, rounded).to(torch.int16)
-    return torch.where(torch.isnan(x), x.to(torch.bfloat16), as_int16.view(torch.bfloat16))
+    return as_int16.view(torch.bfloat16)
 
 
 def store_stochastic(buffer: torch.Tensor, value: torch.Tensor, *, seed: int, step: int,

@@ -78,6 +78,30 @@ def test_state_in_its_own_dtype_steps_as_the_reference(name, path, dtype, mode, 
             assert value.dtype == state_dtype, key
 
 
+@parametrize(STATE_DTYPE_PATHS)
+def test_a_nan_in_bfloat16_state_has_the_references_bits(name, path):
+    """A NaN gradient makes NaN state: every path writes bf16's quiet NaN 0x7FC0 where the
+    reference does (torch's own conversion would give 0xFFFF on an AVX-512 CPU)."""
+    runs = []
+    for b in ("reference", path):
+        params = _params(torch.float32)
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend=b, state_dtype=torch.bfloat16)
+        for t in range(2):  # both momentum buffers
+            for p, g in zip(params, _grads(params, t)):
+                g[::3] = float("nan") if t == 0 else -float("nan")
+                p.grad = g
+            opt.step()
+        runs.append(opt.state[params[0]])
+    for key, value in runs[0].items():
+        if value.dtype == torch.bfloat16:
+            bits = value.view(torch.int16)
+            assert torch.isnan(value).any(), key
+            assert (bits[torch.isnan(value)] == 0x7FC0).all(), key
+            assert torch.equal(torch.isnan(runs[1][key]), torch.isnan(value)), key
+            assert torch.equal(runs[1][key].view(torch.int16)[torch.isnan(value)],
+                               bits[torch.isnan(value)]), key
+
+
 @pytest.mark.skipif(_ops.extension_error() is not None, reason="pnm_kernels._C is not built")
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
@@ -153,6 +177,10 @@ def test_stochastic_rounding_rounds_up_as_often_as_the_fraction_says():
     out = round_bf16_stochastic(special, torch.full((7,), 0xFFFF))
     assert torch.equal(out[:6].float(), special[:6])
     assert torch.signbit(out[1]) and torch.isnan(out[6])
+    # NaN of either sign is bf16's quiet NaN, as the kernels write it, on every machine
+    nans = torch.tensor([float("nan"), -float("nan")]).repeat(20)
+    assert (round_bf16_stochastic(nans, torch.zeros(40, dtype=torch.int64))
+            .view(torch.int16) == 0x7FC0).all()
     # past the largest bf16, rounding up gives infinity, as rounding to nearest does
     big = torch.tensor([torch.finfo(torch.bfloat16).max * (1 + 2**-9)])
     assert torch.isinf(round_bf16_stochastic(big, torch.tensor([0xFFFF]))).all()
