@@ -28,7 +28,7 @@ def count_problem(step) -> Optional[str]:
             return None
         step = step.item()
     if not is_whole_count(step):
-        return f"is {step!r}, not a whole number of steps >= 0"
+        return f"is {_shown(step)}, not a whole number of steps >= 0"
     return None
 
 
@@ -40,9 +40,37 @@ def seed_problem(seed) -> Optional[str]:
         if seed.is_meta or (not seed.is_floating_point() and seed.dtype != torch.uint64):
             return None
         seed = seed.item()  # as as_seed reads it
+    if isinstance(seed, numbers.Integral):  # exact, however large
+        if not -2**63 <= int(seed) < 2**63:
+            return f"is {_shown(seed)}, not a whole number within int64"
+        return None
     if not (math.isfinite(seed) and seed == int(seed) and -2**63 <= int(seed) < 2**63):
         return f"is {seed!r}, not a whole number within int64"
     return None
+
+
+def _shown(value) -> str:
+    """A number for a message: an int of hundreds of digits by its size."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"an integer of {len(str(abs(value)))} digits"
+
+
+def convertible_step(step) -> bool:
+    """A step counter as_step converts (whether or not a step can use it): one number with
+    data, within a float's range."""
+    if not is_one_number(step):
+        return False
+    if torch.is_tensor(step):
+        return not step.is_meta
+    return _as_float(step) is not None
+
+
+def _as_float(value) -> Optional[float]:
+    """A real number as a float; None past a float's range (a Python int of 400 digits)."""
+    try:
+        return float(value)
+    except OverflowError:
+        return None
 
 
 def as_step(step, p) -> torch.Tensor:

@@ -11,7 +11,7 @@ from torch.optim import Optimizer
 from torch.optim.optimizer import ParamsT
 
 from . import plan as planning
-from . import saved_codes, traced
+from . import saved_codes, saved_state, traced
 from .backends.base import ADAPNM_BUFFERS, PNM_BUFFERS, Scaling
 from .batching import BatchCache
 from .hyper import (ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, saved_state_dtype,
@@ -19,10 +19,8 @@ from .hyper import (ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, saved_state_dtype,
 from .in_backward import StepInBackward
 from .plan import Planner
 from .repeat import RepeatedStep
-from .counters import as_step, is_one_number
-from .params import local
-from .quantization import scale_name
-from .state import REFUSED_LOAD, OptimizerState, ParamState, keys_read, put, tracked
+from .counters import as_step, convertible_step
+from .state import REFUSED_LOAD, OptimizerState, ParamState, put, tracked
 
 BACKENDS = BACKEND_NAMES
 # The group keys load_state_dict keeps from the loading optimizer (how it runs).
@@ -96,11 +94,14 @@ class _PositiveNegativeMomentum(Optimizer):
         for gi, group in enumerate(state_dict.get("param_groups", [])):
             validate_group({**self.defaults, **group}, self._adaptive,
                            f"state_dict['param_groups'][{gi}]")
-        _refuse_foreign_state(state_dict, self._buffer_names, self._keys, type(self).__name__)
-        _refuse_negative_scales(state_dict, self._buffer_names)
+        saved_state.refuse_malformed_entries(state_dict)
+        saved_state.refuse_foreign_state(state_dict, self._buffer_names, self._keys,
+                                         type(self).__name__)
+        saved_state.refuse_negative_scales(state_dict, self._buffer_names)
+        saved_state.refuse_meta_state(state_dict, self.param_groups)
         state_dict = {**state_dict, "param_groups": saved_codes.refuse_codes_read_as_values(
             self, state_dict)}
-        saved = _saved_tensors(state_dict, self.param_groups)
+        saved = saved_state.saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its
         # tensors move to the parameters' device, and a checkpoint of a GPU's Triton run
@@ -112,25 +113,24 @@ class _PositiveNegativeMomentum(Optimizer):
             group.update(own)
         saved_codes.hold_key(self.param_groups)
         self._batches.drop()
-        for group in self.param_groups:
-            for p in group["params"]:
-                state = self.state.get(p)
-                if not state:
-                    continue
-                # torch casts every floating state tensor to its parameter's dtype: float32
-                # state beside bfloat16 parameters would lose its digits, a seed its value.
-                # Each keeps its own dtype; the step converts it to the group's state_dtype.
-                # The saved tensor itself is kept where it is on the parameter's device, as
-                # torch keeps those it does not cast: every key of an entry then shares
-                # alike (int8 codes beside their scales), none copied twice.
-                for key, value in saved.get(p, {}).items():
-                    if key in state and torch.is_tensor(state[key]) and state[key].dtype != value.dtype:
-                        put(state, key, value.to(device=state[key].device))
-                # Step counters as the backends take them; one that is no number is left
-                # for the step to refuse, naming it (a load that raised here would be half
-                # done).
-                if is_one_number(state.get("step")):
-                    put(state, "step", as_step(state["step"], p))
+        loaded = [(p, self.state[p]) for group in self.param_groups for p in group["params"]
+                  if self.state.get(p)]
+        for p, state in loaded:
+            # torch casts every floating state tensor to its parameter's dtype: float32
+            # state beside bfloat16 parameters would lose its digits, a seed its value.
+            # Each keeps its own dtype; the step converts it to the group's state_dtype.
+            # The saved tensor itself is kept where it is on the parameter's device, as
+            # torch keeps those it does not cast: every key of an entry then shares
+            # alike (int8 codes beside their scales), none copied twice.
+            for key, value in saved.get(p, {}).items():
+                if key in state and torch.is_tensor(state[key]) and state[key].dtype != value.dtype:
+                    put(state, key, value.to(device=state[key].device))
+        for p, state in loaded:
+            # Step counters as the backends take them, once every entry has its own dtypes
+            # back; one that cannot be (no number, past a float) is left for the step to
+            # refuse, naming it: a load that raised here would be half done.
+            if convertible_step(state.get("step")):
+                put(state, "step", as_step(state["step"], p))
         for post_hook in self._optimizer_load_state_dict_post_hooks.values():
             post_hook(self)
 
@@ -297,61 +297,6 @@ def _load_hooks_set_aside(optimizer):
     finally:
         optimizer._optimizer_load_state_dict_pre_hooks = pre
         optimizer._optimizer_load_state_dict_post_hooks = post
-
-
-# Every key a step of PNM's or AdaPNM's reads: an entry holding one is optimizer state.
-_ANY_BUFFER_KEY = frozenset(keys_read(PNM_BUFFERS + ADAPNM_BUFFERS))
-
-
-def _refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
-                          optimizer: str) -> None:
-    """Raises, naming the entry, where a saved entry holds none of this optimizer's buffers
-    but keys it never holds: another optimizer's state (SGD's momentum_buffer, RMSprop's
-    square_avg), whose step counter would carry over onto fresh buffers. Keys of a user's own
-    beside this optimizer's buffers stay, as torch's optimizers keep them, and so does an
-    entry of a user's keys alone (a parameter not stepped yet) where the groups were saved
-    by PNM or AdaPNM (they hold this optimizer's hyper-parameter keys: `backend`...)."""
-    own = set(keys_read(names))
-    ours = all(set(group_keys) <= group.keys() for group in state_dict.get("param_groups", []))
-    for index, entry in state_dict.get("state", {}).items():
-        foreign = sorted(str(key) for key in entry if key not in own)
-        if ours and not any(key in _ANY_BUFFER_KEY for key in entry):
-            continue  # a user's own keys on a parameter with no state of ours
-        if foreign and not any(name in entry for name in names):
-            raise ValueError(
-                f"state_dict['state'][{index!r}] holds {', '.join(map(repr, foreign))} and none "
-                f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
-                "optimizer? Load the model's weights alone, and let this optimizer's state "
-                "start afresh")
-
-
-def _refuse_negative_scales(state_dict: dict, names: tuple) -> None:
-    """Raises, naming the entry and key, where saved int8 block scales hold a negative value,
-    which no quantisation makes (a block's scale is its largest magnitude): a corrupted or
-    hand-made checkpoint, whose decoded momenta would change sign and second moments have
-    no root. Read here, once (a step does not read scales back; a NaN scale, of state that
-    diverged, loads as saved)."""
-    for index, entry in state_dict.get("state", {}).items():
-        for key in map(scale_name, names):
-            scales = entry.get(key) if isinstance(entry, dict) else None
-            if not (torch.is_tensor(scales) and scales.is_floating_point()):
-                continue  # not scales: the step names what is wrong with it
-            scales = local(scales)
-            if not scales.is_meta and bool((scales < 0).any()):
-                raise ValueError(
-                    f"state_dict['state'][{index!r}][{key!r}] holds a negative block scale "
-                    f"({float(scales.min())}), which no int8 state has: a corrupted "
-                    "checkpoint? Nothing was loaded")
-
-
-def _saved_tensors(state_dict: dict, param_groups) -> dict:
-    """{parameter: {key: tensor}} of a state_dict's state, by torch's mapping of saved ids
-    to parameters (their order in param_groups)."""
-    ids = [i for group in state_dict.get("param_groups", []) for i in group["params"]]
-    params = [p for group in param_groups for p in group["params"]]
-    state = state_dict.get("state", {})
-    return {p: {k: v for k, v in state[i].items() if torch.is_tensor(v)}
-            for i, p in zip(ids, params) if i in state}
 
 
 class PNM(_PositiveNegativeMomentum):

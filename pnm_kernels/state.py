@@ -14,7 +14,8 @@ import torch
 
 from . import quantization
 from .backends.base import STEP_DTYPE
-from .counters import as_seed, as_step, count_problem, is_one_number, seed_problem
+from .counters import (as_seed, as_step, convertible_step, count_problem, is_one_number,
+                       seed_problem)
 from .layout import LAZY_VIEW_ADVICE, is_dense, lazy_view, same_dense_layout
 
 # How often anyone but the optimizers changed which tensors a state holds. One counter for
@@ -53,7 +54,9 @@ class ParamState(_CountsChanges, dict):
         # A counter set by hand as a number (the authors' checkpoints hold ints) is made a
         # tensor at once, as load_state_dict makes it: torch.compile reads `.is_cpu` of every
         # state["step"] before any code of ours runs (an internal dynamo error on an int).
-        if key == "step" and isinstance(value, numbers.Real) and not isinstance(value, bool):
+        # One past a float's range stays as it is, for the step to refuse naming it.
+        if key == "step" and isinstance(value, numbers.Real) and not isinstance(value, bool) \
+                and convertible_step(value):
             value = torch.tensor(float(value), dtype=STEP_DTYPE)
         super().__setitem__(key, value)
 

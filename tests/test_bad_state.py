@@ -120,6 +120,13 @@ BAD_STATE_VALUES = {
                    r"'seed' is nan, not a whole number within int64"),
     "a seed past int64": (lambda st, m: st.__setitem__("seed", 2**70),
                           r"'seed' is 1180591620717411303424, not a whole number within int64"),
+    # Past a float's range: no conversion to float may raise on the way (a load half done).
+    "a seed past a float": (lambda st, m: st.__setitem__("seed", 10**400),
+                            r"'seed' is an integer of 401 digits, not a whole number within "
+                            r"int64"),
+    "a counter past a float": (lambda st, m: st.__setitem__("step", 10**400),
+                               r"'step' is an integer of 401 digits, not a whole number of "
+                               r"steps >= 0"),
     "a fractional seed": (lambda st, m: st.__setitem__("seed", torch.tensor(2.5)),
                           r"'seed' is 2.5, not a whole number within int64"),
     # Only AdaPNM keeps a second moment, in unsigned codes.
@@ -145,7 +152,8 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
     other entry is restored, its codes int8): the step refuses it naming the parameter and
     the key, before any parameter or state has changed."""
     if ("another device" in bad or "meta" in bad) and how == "loaded":
-        pytest.skip("load_state_dict moves every tensor to its parameter's device")
+        pytest.skip("load_state_dict moves every tensor to its parameter's device, and "
+                    "refuses a meta one (next test)")
     if "second moment" in bad and name == "PNM":
         pytest.skip("PNM keeps no second moment")
     momentum = "exp_avg" if name == "AdaPNM" else "pos_momentum"
@@ -167,6 +175,45 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
                                    r"params'\]\[0\].* state " + culprit.format(m=momentum))
     for key, value in other_state.items():
         assert torch.equal(opt.state[params[1]][key], value), key
+
+
+@pytest.mark.parametrize("key", ["step", "seed", "{m}", "{m}_scale"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpoint_with_a_meta_tensor_is_refused_by_the_load_nothing_loaded(name, key):
+    """A state_dict of a dry run on a meta model, loaded beside parameters with data: torch's
+    loader cannot copy a meta buffer, nor the step counters' conversion after it a meta
+    counter, so either would stop half way (every later entry's codes left cast to floats).
+    Refused first, naming the entry and key."""
+    key = key.format(m="exp_avg" if name == "AdaPNM" else "pos_momentum")
+    params = make_params([(3, 200), (2, 128)])
+    opt = OPTIMIZERS[name](params, lr=0.01, state_dtype=torch.int8)
+    train(opt, params, 2)
+    saved = copy.deepcopy(opt.state_dict())
+    saved["state"][0][key] = saved["state"][0][key].to("meta")
+    saved["param_groups"][0]["lr"] = 0.5
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"state_dict\['state'\]\[0\]\['{key}'\] is on the "
+                                         r"meta device .*Nothing was loaded"):
+        opt.load_state_dict(saved)
+    after = opt.state_dict()
+    assert after["param_groups"] == before["param_groups"]
+    for i, entry in before["state"].items():
+        for k, value in entry.items():
+            assert value.dtype == after["state"][i][k].dtype
+            assert torch.equal(value, after["state"][i][k]), (i, k)
+
+
+@pytest.mark.parametrize("entry", [[1, 2], torch.zeros(3)], ids=["list", "tensor"])
+def test_a_checkpoint_entry_that_is_no_dict_is_refused_by_the_load_naming_it(entry):
+    params = make_params([(3, 200)])
+    opt = OPTIMIZERS["AdaPNM"](params)
+    train(opt, params, 1)
+    saved = opt.state_dict()
+    saved["state"][0] = entry
+    with pytest.raises(ValueError, match=rf"state_dict\['state'\]\[0\] is "
+                                         rf"{type(entry).__name__}, not a dict"):
+        opt.load_state_dict(saved)
+    assert opt.state[params[0]]["step"] == 1
 
 
 @pytest.mark.parametrize("how", ["by-hand", "loaded"])

@@ -175,6 +175,10 @@ def counts_whole_steps(step: torch.Tensor) -> bool:
 def is_whole_count(value: float) -> bool:
     """A number of steps a counter may hold: whole and >= 0 (at -1 AdaPNM divides by a bias
     correction of 0; at 2.5 the kernels' bias corrections use 3.5, the reference's 3)."""
+    try:
+        value = float(value)  # a Python int past a float's range is no count a counter holds
+    except OverflowError:
+        return False
     return math.isfinite(value) and value >= 0 and value == int(value)
 
 
