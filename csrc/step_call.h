@@ -45,15 +45,20 @@ struct StepCall {
   int64_t size() const { return static_cast<int64_t>(lists[0].size()); }
 };
 
-// Where a tensor's elements are: its storage and its offset in it (none for a tensor without
-// storage). `t.data = other` and `t.set_(...)` change either. Fields of the tensor itself:
-// reading the storage's data pointer too would cost a second cache miss a tensor.
+// Where a tensor's elements are: its storage, the storage's memory and its offset in it (none
+// for a tensor without storage). `t.data = other` and `t.set_(...)` change the storage or
+// offset; `t.share_memory_()` and a storage resized to nothing and back (FSDP1's freeing)
+// move the memory under the same storage, where another storage may then alias it
+// (`torch.from_dlpack(t)`), unseen by spans kept from where it was. The data pointer costs
+// a load from the storage, which the kernel's arguments read anyway.
 struct Memory {
   const void* storage;
+  const void* data;
   int64_t offset;
   bool lazy;  // read through a lazy negation or conjugation (is_lazy_view)
   bool operator!=(const Memory& other) const {
-    return storage != other.storage || offset != other.offset || lazy != other.lazy;
+    return storage != other.storage || data != other.data || offset != other.offset ||
+           lazy != other.lazy;
   }
 };
 
@@ -73,10 +78,11 @@ inline int64_t int8_row_length(const at::Tensor& p) {
 }
 
 inline Memory memory_of(const at::Tensor& t) {
-  if (!t.defined()) return {nullptr, 0, false};
+  if (!t.defined()) return {nullptr, nullptr, 0, false};
   const c10::TensorImpl* impl = t.unsafeGetTensorImpl();
-  return {impl->unsafe_storage().unsafeGetStorageImpl(), impl->storage_offset(),
-          is_lazy_view(t)};
+  const c10::StorageImpl* storage = impl->unsafe_storage().unsafeGetStorageImpl();
+  return {storage, storage != nullptr ? storage->data_ptr().get() : nullptr,
+          impl->storage_offset(), is_lazy_view(t)};
 }
 
 // The memory of held lists' tensors (StepLists): blocks of params, buffer0..3 and steps.

@@ -110,6 +110,8 @@ GRADIENT_PLACES = {
         (1, lambda opt, params: _first_buffer(opt, params[1]), (_where(0, 1),)),
     "a parameter of another group":
         (2, lambda opt, params: params[0].data, (_where(1, 0), _where(0, 0))),
+    "a parameter of a group stepped later":
+        (0, lambda opt, params: params[2].data, (_where(0, 0), _where(1, 0))),
     "a parameter of a group never held":
         (0, lambda opt, params: params[3].data, (_where(0, 0), _where(2, 0))),
     "a held parameter, from a group never held":
@@ -139,7 +141,13 @@ def _moved_in_place(t):
     return t
 
 
-@pytest.mark.parametrize("moved", [False, True], ids=["", "its-memory-moved-in-place"])
+# Memory moved in place since the lists were held (`q.share_memory_()`, a storage resized),
+# and then also reached through a storage of its own (`torch.from_dlpack(q)`).
+MOVES = {"": None, "its-memory-moved-in-place": "in place",
+         "its-memory-moved-then-seen-through-another-storage": "another storage"}
+
+
+@pytest.mark.parametrize("moved", list(MOVES.values()), ids=list(MOVES))
 @pytest.mark.parametrize("state_dtype", [None, torch.bfloat16], ids=["own-dtype-state",
                                                                       "bf16-state"])
 @pytest.mark.parametrize("place", list(GRADIENT_PLACES))
@@ -150,7 +158,8 @@ def test_a_gradient_put_into_memory_the_step_writes_is_refused_before_any_change
     are held, and repeated (state in the parameters' dtype, every group held) or planned each
     step (bfloat16 state, or beside a group whose lists are built every step: foreach's), in one
     group, across groups, and across a group never held and a held one, also once that
-    memory was moved in place (`q.share_memory_()`, a storage resized):
+    memory was moved in place (`q.share_memory_()`, a storage resized), and where another
+    storage over that memory is the gradient:
     each backend would read it before or after writing it, so every one refuses it, naming
     both, as the reference does."""
     _gradient_put_into_written_memory(path, name, place, state_dtype, moved)
@@ -164,10 +173,11 @@ def test_a_gradient_put_into_memory_the_step_writes_without_the_compiled_extensi
     triton_only_install(monkeypatch)
     _gradient_put_into_written_memory(path, name, place, torch.bfloat16)
     if "state buffer" not in place:  # (a bfloat16 buffer is no float32 gradient)
-        _gradient_put_into_written_memory(path, name, place, torch.bfloat16, moved=True)
+        for moved in ("in place", "another storage"):
+            _gradient_put_into_written_memory(path, name, place, torch.bfloat16, moved)
 
 
-def _gradient_put_into_written_memory(path, name, place, state_dtype, moved=False):
+def _gradient_put_into_written_memory(path, name, place, state_dtype, moved=None):
     if state_dtype is not None and "state buffer" in place:
         pytest.skip("a bfloat16 buffer cannot be a float32 parameter's gradient")
     params = make_params([(8,), (8,), (8,), (8,)])
@@ -183,7 +193,8 @@ def _gradient_put_into_written_memory(path, name, place, state_dtype, moved=Fals
     steps = [opt.state[p]["step"].clone() for p in params]
     for p in params:
         p.grad = torch.ones_like(p)
-    params[i].grad = target(opt, params)
+    grad = target(opt, params)
+    params[i].grad = torch.from_dlpack(grad) if moved == "another storage" else grad
     with pytest.raises(RuntimeError, match="gradient") as refused:
         opt.step()
     assert all(where in str(refused.value) for where in named), refused.value
@@ -201,7 +212,7 @@ LR_PLACES = {
 }
 
 
-def _lr_put_into_written_memory(path, name, place, how, moved=False):
+def _lr_put_into_written_memory(path, name, place, how, moved=None):
     params = make_params([(8,), (8,), (8,)])
     lr = torch.tensor(1e-2, device=DEVICE)
     opt = OPTIMIZERS[name]([dict(params=params[:2], lr=lr), dict(params=params[2:])],
@@ -209,6 +220,8 @@ def _lr_put_into_written_memory(path, name, place, how, moved=False):
     train(opt, params, 3)
     target, named = LR_PLACES[place]
     view = (_moved_in_place(target(opt, params)) if moved else target(opt, params)).view(())
+    if moved == "another storage":
+        view = torch.from_dlpack(view)
     view.fill_(1e-2)  # a valid lr, so that only where it lies is refused
     if how == "a new tensor":
         opt.param_groups[0]["lr"] = view
@@ -226,7 +239,8 @@ def _lr_put_into_written_memory(path, name, place, how, moved=False):
         assert all(torch.equal(opt.state[p][k], t) for k, t in state.items())
 
 
-@pytest.mark.parametrize("how", ["a new tensor", "lr.data =", "into memory moved in place"])
+@pytest.mark.parametrize("how", ["a new tensor", "lr.data =", "into memory moved in place",
+                                 "into memory moved in place, through another storage"])
 @pytest.mark.parametrize("place", list(LR_PLACES))
 @cases.parametrize(FAST_PATHS + ["reference"])
 def test_a_tensor_lr_put_into_memory_the_step_writes_is_refused_before_any_change(
@@ -235,7 +249,8 @@ def test_a_tensor_lr_put_into_memory_the_step_writes_is_refused_before_any_chang
     CUDA kernels and Triton read it after some blocks were written): refused, naming the
     group's lr and what it shares, before anything is touched, also where the lists are
     held and the step repeats, and where that memory was moved in place since."""
-    moved = how == "into memory moved in place"
+    moved = {"into memory moved in place": "in place",
+             "into memory moved in place, through another storage": "another storage"}.get(how)
     _lr_put_into_written_memory(path, name, place, "a new tensor" if moved else how, moved)
 
 
