@@ -452,6 +452,38 @@ def test_fsdp2_a_local_shard_made_a_lazy_negative_view_is_refused_before_any_cha
             assert torch.equal(now.full_tensor() if hasattr(now, "full_tensor") else now, v)
 
 
+@needs_one_rank_fsdp2
+@pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
+def test_fsdp2_state_whose_local_shard_is_another_ranks_is_refused_before_any_change(one_rank,
+                                                                                     path):
+    """A state DTensor placed as its parameter, of its global shape, whose local shard has
+    another shape (another rank's state_dict loaded): refused naming the parameter and key
+    before any parameter or state changes (foreach and the reference stepped counters and
+    buffers, then failed on a broadcast naming nothing)."""
+    from torch.distributed.tensor import DTensor
+
+    model, (xs, ys) = _one_rank_model()
+    params = list(model.parameters())
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, backend=path)
+    _train(model, opt, xs, ys, range(3))
+    last = params[-1]
+    local = last.to_local()
+    opt.state[last]["exp_avg_sq"] = DTensor.from_local(
+        torch.zeros(local.numel() + 3, device=local.device), last.device_mesh, last.placements,
+        shape=last.shape, stride=last.stride())
+    before = [(p.detach().full_tensor().clone(),
+               {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+                for k, v in opt.state[p].items()}) for p in params]
+    with pytest.raises(RuntimeError, match=rf"params'\]\[{len(params) - 1}\] .*'exp_avg_sq' "
+                                           "has a local shard of shape"):
+        _train(model, opt, xs, ys, range(3, 4))
+    for p, (value, state) in zip(params, before):
+        assert torch.equal(p.detach().full_tensor(), value)
+        for k, v in state.items():
+            now = opt.state[p][k]
+            assert torch.equal(now.to_local() if hasattr(now, "to_local") else now, v)
+
+
 def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
     """Three steps, then one where a gradient's local shard is not contiguous, then one where
     a gradient is a plain tensor (a DTensor parameter's gradient set by hand), then two more.
