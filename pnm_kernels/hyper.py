@@ -230,8 +230,24 @@ def check_state_dtype(state_dtype, param: torch.Tensor) -> None:
                          f"{getattr(param, 'placements', None)}")
 
 
+def check_sharding(state_dtype, bf16_stochastic_round: bool, param) -> None:
+    """Raises ValueError where a DTensor parameter's step draws random bits but its local
+    shard holds no run of whole rows: an element's bits are picked by its index in the whole
+    parameter, the shard's first element's plus its index in the shard, which holds for
+    dim-0 shards only (another split would give elements of two ranks the same bits, and
+    the step would differ from one process's)."""
+    if type(param) in (torch.Tensor, torch.nn.Parameter) or _rows_whole(param):
+        return
+    if needs_seed(state_dtype, bf16_stochastic_round, param.dtype):
+        what = (f"state_dtype={state_dtype}" if state_dtype in (torch.bfloat16, torch.int8)
+                else "bf16_stochastic_round=True")
+        raise ValueError(f"{what} needs a DTensor sharded along dim 0 only (FSDP2's Shard(0)) "
+                         f"or replicated, got placements {getattr(param, 'placements', None)}")
+
+
 def _rows_whole(param) -> bool:
-    """Whether a DTensor's local shards hold whole rows (its int8 blocks lie within rows)."""
+    """Whether a DTensor's local shards hold whole rows (its int8 blocks lie within rows, and
+    its elements' indices in the whole parameter follow from the first's)."""
     from torch.distributed.tensor import Replicate, Shard
     return all(isinstance(place, Replicate) or (isinstance(place, Shard) and place.dim == 0)
                for place in getattr(param, "placements", ()))
@@ -239,5 +255,5 @@ def _rows_whole(param) -> bool:
 
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
            "assert_lr_in_graph", "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
-           "STATE_DTYPES", "check_state_dtype",
+           "STATE_DTYPES", "check_state_dtype", "check_sharding",
            "steps_in_float32", "needs_seed"]

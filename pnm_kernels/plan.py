@@ -12,8 +12,8 @@ from .aliasing import GRADIENT, LR, PARAMETER, MemoryClaims
 from .backends import REGISTRY, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
-from .hyper import (Hyper, check_state_dtype, signature, steps_in_float32, validate_group,
-                    validate_lr)
+from .hyper import (Hyper, check_sharding, check_state_dtype, signature, steps_in_float32,
+                    validate_group, validate_lr)
 from .params import check_param, check_param_list, check_unique, describe, shards_match
 from .state import claim_state, is_plain
 
@@ -167,6 +167,11 @@ def group_batches(group, gi, indices):
     for pi in indices:
         p = group["params"][pi]
         check_param(p, gi, pi)  # raises, naming the parameter
+        if not is_plain(p):  # each DTensor's placements (a batch's first speaks for no other)
+            try:
+                check_sharding(group["state_dtype"], group["bf16_stochastic_round"], p)
+            except ValueError as e:
+                raise ValueError(f"{describe(p, gi, pi)}: {e}") from None
         key = (p.device, p.dtype)
         if key not in batches:
             real = p.real.dtype if p.is_complex() else p.dtype
