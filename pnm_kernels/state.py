@@ -300,9 +300,10 @@ def _check_sharded_like(key: str, t: torch.Tensor, p) -> None:
     if placed(t) != placed(p) or getattr(t, "device_mesh", None) != mesh:
         raise StateValueError(key, f"is {placed(t)} where its parameter is {placed(p)}: "
                               "state sharded otherwise than its parameter (loaded so?)")
-    # Placed alike, its shard may still be another's (another rank's state_dict loaded):
-    # the kernels step the local shards.
-    if is_dtensor(t) and _local(t).shape != _local(p).shape:
+    # Placed alike, a buffer's shard may still be another's (another rank's state_dict
+    # loaded): the kernels step the local shards (int8 scales: a row a parameter's row).
+    alike = (lambda s: s) if t.shape == p.shape else (lambda s: s[:1])
+    if is_dtensor(t) and alike(_local(t).shape) != alike(_local(p).shape):
         raise StateValueError(key, f"has a local shard of shape {tuple(_local(t).shape)} "
                               f"where its parameter's is {tuple(_local(p).shape)}: another "
                               "rank's state (loaded so?)")
