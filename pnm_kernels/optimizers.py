@@ -99,8 +99,7 @@ class _PositiveNegativeMomentum(Optimizer):
                                          type(self).__name__)
         saved_state.refuse_negative_scales(state_dict, self._buffer_names)
         saved_state.refuse_meta_state(state_dict, self.param_groups)
-        state_dict = {**state_dict, "param_groups": saved_codes.refuse_codes_read_as_values(
-            self, state_dict)}
+        state_dict = saved_codes.refuse_codes_read_as_values(self, state_dict)
         saved = saved_state.saved_tensors(state_dict, self.param_groups)
         # state_dtype and backend say how this optimizer stores its state and steps, not how
         # the saved run did: a checkpoint's state converts to it (docs/design.md §7), as its

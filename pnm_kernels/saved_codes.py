@@ -3,24 +3,29 @@
 `torch.distributed.checkpoint` loads a checkpoint into the keys and dtypes of the state_dict it
 is given, the loading optimizer's: a checkpoint of int8 state read through the state_dict of
 an optimizer with float state fills its float buffers with the codes cast to floats (127.0),
-and the next step would take them for momenta. Each saved group lists the places (in its
-params) and names of the buffers that hold codes (a group key, which DCP loads from the
-checkpoint like the lr); load_state_dict refuses such a buffer that then comes as floats. Per
-buffer: a group switched to int8 converts a parameter's state at its next step, so one group
-may hold codes and float state side by side (and a buffer given float data by hand, codes
-beside it).
+and the next step would take them for momenta. load_state_dict refuses a buffer saved
+holding codes that comes as floats. Per buffer: a group switched to int8 converts a
+parameter's state at its next step, so one group may hold codes and float state side by side
+(and a buffer given float data by hand, codes beside it).
 
-How torch's state_dict utilities carry the key decides its form:
-- Every live group holds KEY too (None; only saved groups list places): with
-  flatten_optimizer_state_dict=True they rebuild the loaded groups from the loading
-  optimizer's own group keys, and would drop a key only saved groups held.
-- The places are one string ("0:exp_avg,2:exp_avg"): they flatten a list into a key per
-  element, and with full_state_dict take only the keys the loading optimizer's own
-  state_dict has, so a list of another length would be cut short, or (broadcast_from_rank0)
-  reach rank 0 alone.
-- The refusal does not ask whether scales came too: with broadcast_from_rank0, rank 0's
-  entries get the checkpoint's keys the loading optimizer lacks (its scales), the other
-  ranks' do not, and every rank must refuse alike.
+Two marks say which buffers hold codes, as torch's state_dict utilities carry one or the other:
+- Each saved entry's KEY (a bit a buffer, in BUFFERS' order; an int64 tensor, 0 for none):
+  DCP keys the state by parameter name, and a loading optimizer may list the same
+  parameters in another order or in other groups, so the mark goes with its parameter. In
+  every entry: DCP reads from a checkpoint only the keys the loading optimizer's own
+  state_dict has, and it is the optimizer with float state that must ask for it. A tensor:
+  carried by parameter as the step counter is (every rank alike with broadcast_from_rank0),
+  and taken by torch.load(weights_only=True). Where any entry has it, it alone decides.
+- Each saved group's KEY ("0:exp_avg,2:exp_avg": places in its params and buffers), for
+  flatten_optimizer_state_dict=True, which rebuilds the loaded entries from the keys of the
+  loading optimizer's live state (so it drops the entry's mark) and the loaded groups from
+  its live groups' keys: every live group holds KEY too (None), and the places are one
+  string, as those utilities flatten a list into a key per element. Positional: in that
+  layout a loading optimizer listing the parameters in other groups or another order than
+  the saved one is not checked aright (docs/design.md §8).
+The refusal does not ask whether scales came too: with broadcast_from_rank0, rank 0's entries
+get the checkpoint's keys the loading optimizer lacks (its scales), the other ranks' do not,
+and every rank must refuse alike.
 
 DCP writes into the tensors of the state_dict it is given, which are the loading optimizer's
 own state (`dcp.load(get_optimizer_state_dict(...))`): by the time load_state_dict refuses,
@@ -34,8 +39,9 @@ from .params import local
 from .quantization import SIGNED, scale_name
 from .state import CODE_DTYPES, REFUSED_LOAD
 
-# The group key of state_dict(): where the group's state holds int8 codes.
+# The key of each saved state entry and of each group: where its state holds int8 codes.
 KEY = "saved_int8_codes"
+BUFFERS = tuple(SIGNED)  # bit i of an entry's KEY: BUFFERS[i] holds codes
 
 
 def hold_key(groups) -> None:
@@ -50,12 +56,20 @@ def hold_key_pre_hook(optimizer) -> None:
 
 
 def mark(optimizer, state_dict) -> None:
-    """state_dict post-hook: each saved group's KEY, "place:buffer" for each buffer holding
-    codes (a buffer given float data by hand beside another's codes is not one)."""
-    state = optimizer.state
+    """state_dict post-hook: each saved entry's and group's KEY (a buffer given float data by
+    hand beside another's codes is no buffer of codes). Entries copied: they may be the
+    optimizer's own."""
+    state, saved_state = optimizer.state, state_dict["state"]
     for group, saved in zip(optimizer.param_groups, state_dict["param_groups"]):
-        saved[KEY] = ",".join(f"{i}:{name}" for i, p in enumerate(group["params"])
-                              for name in _code_buffers(state.get(p)))
+        places = []
+        for i, (p, index) in enumerate(zip(group["params"], saved["params"])):
+            names = _code_buffers(state.get(p))
+            places += [f"{i}:{name}" for name in names]
+            entry = saved_state.get(index)
+            if isinstance(entry, dict):
+                bits = sum(1 << BUFFERS.index(name) for name in names)
+                saved_state[index] = {**entry, KEY: torch.tensor(bits, dtype=torch.int64)}
+        saved[KEY] = ",".join(places)
 
 
 def _code_buffers(entry) -> list:
@@ -65,6 +79,16 @@ def _code_buffers(entry) -> list:
 
 def _is_codes(value) -> bool:
     return torch.is_tensor(value) and value.dtype in CODE_DTYPES
+
+
+def _marked(entry) -> list:
+    """The buffers a saved entry's KEY says hold codes."""
+    bits = entry.get(KEY)
+    if not (torch.is_tensor(bits) and bits.numel() == 1 and not bits.is_floating_point()
+            and not local(bits).is_meta):
+        return []
+    bits = int(local(bits).reshape(()).item())
+    return [name for i, name in enumerate(BUFFERS) if bits >> i & 1]
 
 
 def _places(saved) -> list:
@@ -77,24 +101,38 @@ def _places(saved) -> list:
     return [(int(place), name) for place, _, name in pairs if place.isdigit() and name]
 
 
-def refuse_codes_read_as_values(optimizer, state_dict: dict) -> list:
-    """Raises, naming the first, where entries saved holding codes come holding floats
+def refuse_codes_read_as_values(optimizer, state_dict: dict) -> dict:
+    """Raises, naming the first, where buffers saved holding codes come holding floats
     (marking each of the optimizer's own entries the load had written into, where it loaded
-    into the optimizer's own tensors); returns the saved groups without KEY (it is not a hyper-parameter)."""
+    into the optimizer's own tensors); returns the state_dict without the marks (no state
+    and no hyper-parameter)."""
     state = state_dict.get("state", {})
     saved_groups = state_dict.get("param_groups", [])
-    refused = []
-    for gi, saved in enumerate(saved_groups):
+    marked = {index: [(name, KEY) for name in _marked(entry)]
+              for index, entry in state.items() if isinstance(entry, dict) and KEY in entry}
+    for gi, saved in enumerate(saved_groups if not marked else []):  # the flattened layout
         ids = saved.get("params", [])
         for place, buffer in _places(saved):
-            index = ids[place] if place < len(ids) else None
-            entry = state.get(index) or {}
-            read = [name for name in entry if name in SIGNED and buffer in (None, name)
-                    and torch.is_tensor(entry[name]) and entry[name].is_floating_point()]
-            if read:
-                refused.append((gi, index, read[0], entry[read[0]]))
+            if place < len(ids):
+                entry = state.get(ids[place]) or {}
+                marked.setdefault(ids[place], []).extend(
+                    (name, f"param_groups[{gi}]['{KEY}']") for name in entry
+                    if name in SIGNED and buffer in (None, name))
+    refused = []
+    for index, names in marked.items():
+        entry = state.get(index) or {}
+        for name, where in names:
+            if torch.is_tensor(entry.get(name)) and entry[name].is_floating_point():
+                refused.append((where, index, name, entry[name]))
+                break
     if not refused:
-        return [{k: v for k, v in saved.items() if k != KEY} for saved in saved_groups]
+        return {**state_dict,
+                "state": {index: {k: v for k, v in entry.items() if k != KEY}
+                          if isinstance(entry, dict) and KEY in entry else entry
+                          for index, entry in state.items()},
+                "param_groups": [{k: v for k, v in saved.items() if k != KEY}
+                                 if isinstance(saved, dict) else saved
+                                 for saved in saved_groups]}
     # Written into in place only if a refused buffer is one of the optimizer's own tensors
     # (DCP's load): a state_dict() of its own, its codes replaced by new float tensors, holds
     # the optimizer's tensors too, untouched.
@@ -113,10 +151,12 @@ def refuse_codes_read_as_values(optimizer, state_dict: dict) -> list:
                                      "into its state (int8 codes read as floats, or a "
                                      "checkpoint's values beside them)")
                 written_into_own = True
-    gi, index, name, buffer = refused[0]
+    where, index, name, buffer = refused[0]
+    if where == KEY:
+        where = f"state_dict['state'][{index!r}][{KEY!r}]"
     raise ValueError(
         f"state_dict['state'][{index!r}][{name!r}] is {buffer.dtype}, yet it was saved holding int8 "
-        f"codes (param_groups[{gi}]['{KEY}']): read through the state_dict of an optimizer "
+        f"codes ({where}): read through the state_dict of an optimizer "
         "with another state_dtype? (torch.distributed.checkpoint loads into the keys and "
         "dtypes of the state_dict it is given"
         + ("; it wrote into this optimizer's own state, and each entry it wrote refuses to "
@@ -139,4 +179,5 @@ def _storage(t: torch.Tensor) -> int:
     return local(t).untyped_storage().data_ptr()
 
 
-__all__ = ["KEY", "hold_key", "hold_key_pre_hook", "mark", "refuse_codes_read_as_values"]
+__all__ = ["KEY", "BUFFERS", "hold_key", "hold_key_pre_hook", "mark",
+           "refuse_codes_read_as_values"]

@@ -121,6 +121,44 @@ def test_state_dtype_is_saved_by_name_and_loads_in_either_form(saved_as):
     assert_same_bits(into, into_params, opt, params)
 
 
+def _groups(params, layout):
+    """The same parameters listed as one group or, in another order, in two."""
+    if layout == "saved":
+        return [dict(params=[params[2]]), dict(params=[params[0], params[1]])]
+    return [dict(params=[params[1], params[0], params[2]])]
+
+
+@pytest.mark.parametrize("layout", ["nested", "full"])
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_int8_codes_are_known_by_their_parameter_in_another_grouping(name, layout, tmp_path):
+    """DCP keys the state by parameter name, and the loading optimizer may list the same
+    parameters in other groups and another order: each saved entry says which of its
+    buffers hold codes. Read through float32 state they are refused naming the entry (they
+    were let through as momenta of 127); read through int8 state they resume bitwise (they
+    were refused, naming a bfloat16 buffer that never held codes)."""
+    options = LAYOUTS[layout]
+    params = _params()
+    opt = OPTIMIZERS[name](_groups(params, "saved"), lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 4)
+    dcp.save({"optim": get_optimizer_state_dict(_module_of(params), opt, options=options)},
+             checkpoint_id=str(tmp_path))
+    for state_dtype in (None, torch.int8):
+        into_params = _params(seed=1)
+        model = _module_of(into_params)
+        into = OPTIMIZERS[name](_groups(into_params, "loading"), lr=1e-2,
+                                state_dtype=state_dtype)
+        _run(into, into_params, 1)
+        loaded = {"optim": get_optimizer_state_dict(model, into, options=options)}
+        dcp.load(loaded, checkpoint_id=str(tmp_path))
+        if state_dtype is None:
+            with pytest.raises(ValueError, match=r"state_dict\['state'\]\['p[01]'\]\['\w+'\] is "
+                                                 r"torch.float32, yet it was saved holding int8"):
+                set_optimizer_state_dict(model, into, loaded["optim"], options=options)
+        else:
+            set_optimizer_state_dict(model, into, loaded["optim"], options=options)
+            _continue_alike(into, into_params, opt, params, steps=2)
+
+
 @pytest.mark.parametrize("layout", ["nested", "flattened"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(name, layout,
