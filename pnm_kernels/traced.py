@@ -9,6 +9,7 @@ new gradients would recompile.)
 Also here: the checks inside the graph of what dynamo does not guard (the CPU step counters'
 values; every tensor's memory, dtype, device and layout as traced), as custom ops: in C++
 where the extension is built, in Python otherwise."""
+import sys
 import weakref
 
 import torch
@@ -45,6 +46,12 @@ def step(optimizer, scaling: Scaling) -> None:
                 counters[1].append(gi)
                 counters[2].append(pi)
         groups.append((group, lists, scales, batches))
+        if isinstance(group["lr"], float):
+            # A float lr that changed once is a graph input dynamo does not guard, and
+            # _init_group's validation ran at tracing: a guard on what it checked makes a
+            # negative or infinite one trace again, which refuses it (a NaN traces anyway).
+            torch._check(group["lr"] >= 0)
+            torch._check(group["lr"] <= sys.float_info.max)  # sympy takes `< inf` as true
     if counters[0]:  # none on a device: no op in the graph
         _check_step_counts(*counters)
     steps, written, read = _memory_of(optimizer, groups)

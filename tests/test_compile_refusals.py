@@ -132,6 +132,33 @@ def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step
     assert [int(opt.state[p]["step"]) for p in params] == [2, 2]
 
 
+@pytest.mark.parametrize("bad", [-0.1, float("inf")], ids=["negative", "infinite"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("backend", ["fused", "foreach"])
+def test_a_float_lr_made_dynamic_then_bad_is_refused_by_the_compiled_step(backend, compiler,
+                                                                           bad):
+    """A float lr that changed between steps (a scheduler's) is a graph input dynamo does not
+    guard, and the trace's validation has passed: a linear decay run past its end (negative)
+    was stepped. Guarded on what the validation checks, it traces again, which refuses it
+    naming the group, before any group stepped."""
+    torch._dynamo.reset()
+    params = [torch.randn(5, requires_grad=True) for _ in range(2)]
+    opt = OPTIMIZERS["AdaPNM"]([dict(params=[p]) for p in params], lr=1e-2, backend=backend)
+    step = torch.compile(opt.step, backend=compiler)
+    for lr in (1e-2, 2e-2, 3e-2):  # dynamo makes the float an input once it changed
+        for group in opt.param_groups:
+            group["lr"] = lr
+        for p in params:
+            p.grad = torch.ones_like(p)
+        step()
+    opt.param_groups[1]["lr"] = bad
+    _assert_refused_untouched(step, opt, params, r"param_groups\[1\]: invalid lr",
+                              error=Exception)
+    opt.param_groups[1]["lr"] = 1e-3
+    step()
+    assert [int(opt.state[p]["step"]) for p in params] == [4, 4]
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, 2.5], ids=["nan", "negative", "fractional"])
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
