@@ -6,6 +6,7 @@ A reentrant checkpoint's nested pass ends inside a node of its outer pass, which
 after it: the outer pass's end is awaited too, queued from that node's end (a hook on it,
 run in the outer pass). One record serves the gradients the handle's hooks see and the
 buckets DDP reduces."""
+import sys
 import weakref
 
 import torch
@@ -62,6 +63,7 @@ class PassEnds:
         reentrant checkpoint's nested pass is a pass of its own, ending before its outer
         one). Returns whether, new, this pass came after one that failed and was not
         forgotten since; that one is forgotten now."""
+        _refuse_compiled_autograd()
         this_pass = backward_pass()
         end = self._ends.get(this_pass)
         if end is not None and end() is not None:
@@ -114,5 +116,19 @@ class PassEnds:
         """step() or zero_grad() came: the failed passes before it are dealt with."""
         self._ends = {}
 
+
+
+def _refuse_compiled_autograd() -> None:
+    """Compiled autograd (torch._dynamo.compiled_autograd) traces the backward pass into a
+    graph: a pass's end cannot be queued outside it (torch asserts inside its engine), and
+    the hooks' steps would be traced into the graph. Refused by name, before any step."""
+    compiled = sys.modules.get("torch._dynamo.compiled_autograd")
+    if compiled is not None and (compiled.compiled_autograd_enabled
+                                 or compiled.in_compiled_autograd_region):
+        raise RuntimeError(
+            "pnm_kernels: step_in_backward does not run under compiled autograd "
+            "(torch._dynamo.compiled_autograd): its steps run from hooks the backward pass "
+            "calls eagerly. Compile the model and its forward, not the backward pass, or "
+            "remove the handle (handle.remove()) and step after backward")
 
 __all__ = ["PassEnds", "backward_pass"]

@@ -298,6 +298,23 @@ def test_a_compiled_training_step_steps_in_backward_as_the_compiled_ordinary_one
         assert int(opt.state[p]["step"]) == int(ordinary_opt.state[q]["step"]) == 4
 
 
+@pytest.mark.parametrize("fullgraph", [False, True], ids=["", "fullgraph"])
+def test_compiled_autograd_is_refused_by_name_before_any_step(fullgraph):
+    """Compiled autograd traces the backward pass into a graph, where the hooks' steps and
+    the pass's end cannot run eagerly (torch failed inside its engine, naming neither):
+    refused by name at the first gradient, nothing stepped."""
+    torch._dynamo.reset()
+    model, opt = _adapnm(True)
+    before = [p.detach().clone() for p in model.parameters()]
+    compiler = torch.compile(backend="aot_eager", fullgraph=fullgraph)
+    with pytest.raises(Exception, match="step_in_backward does not run under compiled "
+                                        "autograd"):
+        with torch._dynamo.compiled_autograd._enable(compiler):
+            model(next(iter(_batches(1)))).pow(2).mean().backward()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
+    assert not any(int(opt.state[p]["step"]) for p in model.parameters() if p in opt.state)
+
+
 @pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
 def test_a_dcp_checkpoint_of_int8_state_resumes_bitwise_in_backward():
     """torch.distributed.checkpoint in one process (get_state_dict, save, load into a fresh
