@@ -110,7 +110,9 @@ class Planner:
                 places = tuple(indices)
             if not indices:
                 continue
-            key = (id(group), group["backend"], ids, group["state_dtype"], places)
+            # bf16_stochastic_round decides what group_batches checks (a DTensor's sharding).
+            key = (id(group), group["backend"], ids, group["state_dtype"],
+                   bool(group["bf16_stochastic_round"]), places)
             grouping = self._groupings.get(key)
             regrouped |= grouping is None
             found.append((gi, group, key, grouping, grouping is not None, grads, indices))

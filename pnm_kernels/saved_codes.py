@@ -15,7 +15,8 @@ Two marks say which buffers hold codes, as torch's state_dict utilities carry on
   every entry: DCP reads from a checkpoint only the keys the loading optimizer's own
   state_dict has, and it is the optimizer with float state that must ask for it. A tensor:
   carried by parameter as the step counter is (every rank alike with broadcast_from_rank0),
-  and taken by torch.load(weights_only=True). Where any entry has it, it alone decides.
+  and taken by torch.load(weights_only=True). Where any entry says codes, the entries alone
+  decide.
 - Each saved group's KEY ("0:exp_avg,2:exp_avg": places in its params and buffers), for
   flatten_optimizer_state_dict=True, which rebuilds the loaded entries from the keys of the
   loading optimizer's live state (so it drops the entry's mark) and the loaded groups from
@@ -82,13 +83,14 @@ def _is_codes(value) -> bool:
 
 
 def _marked(entry) -> list:
-    """The buffers a saved entry's KEY says hold codes."""
+    """The buffers a saved entry's KEY says hold codes (cast to a float by a converter too)."""
     bits = entry.get(KEY)
-    if not (torch.is_tensor(bits) and bits.numel() == 1 and not bits.is_floating_point()
-            and not local(bits).is_meta):
+    if not (torch.is_tensor(bits) and bits.numel() == 1 and not local(bits).is_meta):
         return []
-    bits = int(local(bits).reshape(()).item())
-    return [name for i, name in enumerate(BUFFERS) if bits >> i & 1]
+    value = float(local(bits).reshape(()).item())
+    if not (0 <= value < 2 ** len(BUFFERS) and value == int(value)):
+        return []
+    return [name for i, name in enumerate(BUFFERS) if int(value) >> i & 1]
 
 
 def _places(saved) -> list:
@@ -109,8 +111,12 @@ def refuse_codes_read_as_values(optimizer, state_dict: dict) -> dict:
     state = state_dict.get("state", {})
     saved_groups = state_dict.get("param_groups", [])
     marked = {index: [(name, KEY) for name in _marked(entry)]
-              for index, entry in state.items() if isinstance(entry, dict) and KEY in entry}
-    for gi, saved in enumerate(saved_groups if not marked else []):  # the flattened layout
+              for index, entry in state.items() if isinstance(entry, dict)}
+    marked = {index: names for index, names in marked.items() if names}
+    # The groups' places where no entry says codes: the flattened layout (entries without
+    # the mark), or a DCP checkpoint saved before it read with allow_partial_load (entries
+    # holding the loading optimizer's own marks, none for float state).
+    for gi, saved in enumerate(saved_groups if not marked else []):
         ids = saved.get("params", [])
         for place, buffer in _places(saved):
             if place < len(ids):

@@ -159,6 +159,46 @@ def test_int8_codes_are_known_by_their_parameter_in_another_grouping(name, layou
             _continue_alike(into, into_params, opt, params, steps=2)
 
 
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_a_checkpoint_saved_before_the_entries_were_marked_is_still_refused_through_floats(
+        name, tmp_path):
+    """A DCP checkpoint of an earlier version has its groups' places and no entry marks: read
+    with allow_partial_load (DCP misses the key otherwise), each entry keeps the loading
+    optimizer's own mark (none, for float state), and the groups' places decide."""
+    from pnm_kernels.saved_codes import KEY
+
+    params = _params()
+    opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 2)
+    saved = get_optimizer_state_dict(_module_of(params), opt)
+    for entry in saved["state"].values():
+        del entry[KEY]
+    dcp.save({"optim": saved}, checkpoint_id=str(tmp_path))
+    into_params = _params(seed=1)
+    model = _module_of(into_params)
+    into = OPTIMIZERS[name](into_params, lr=1e-2)
+    _run(into, into_params, 1)
+    loaded = {"optim": get_optimizer_state_dict(model, into)}
+    dcp.load(loaded, checkpoint_id=str(tmp_path),
+             planner=dcp.DefaultLoadPlanner(allow_partial_load=True))
+    with pytest.raises(ValueError, match=r"\['p0'\]\['\w+'\] is torch.float32, yet it was saved "
+                                         r"holding int8 codes \(param_groups\[0\]"):
+        set_optimizer_state_dict(model, into, loaded["optim"])
+
+
+@pytest.mark.parametrize("name", list(OPTIMIZERS))
+def test_entry_marks_cast_to_floats_by_a_converter_still_say_codes(name):
+    params = _params()
+    opt = OPTIMIZERS[name](params, lr=1e-2, state_dtype=torch.int8)
+    _run(opt, params, 2)
+    saved = opt.state_dict()
+    saved["state"] = {i: {k: v.float() if torch.is_tensor(v) else v for k, v in entry.items()}
+                      for i, entry in saved["state"].items()}
+    into = OPTIMIZERS[name](_params(seed=1), lr=1e-2)
+    with pytest.raises(ValueError, match=r"yet it was saved holding int8 codes"):
+        into.load_state_dict(saved)
+
+
 @pytest.mark.parametrize("layout", ["nested", "flattened"])
 @pytest.mark.parametrize("name", list(OPTIMIZERS))
 def test_an_int8_checkpoint_read_by_dcp_through_float_state_is_refused_named(name, layout,

@@ -488,14 +488,15 @@ def test_fsdp2_state_whose_local_shard_is_another_ranks_is_refused_before_any_ch
 @pytest.mark.parametrize("mode", [dict(state_dtype=torch.bfloat16), dict(state_dtype=torch.int8),
                                   dict(bf16_stochastic_round=True)],
                          ids=["bf16-state", "int8-state", "bf16-sr"])
+@pytest.mark.parametrize("when", ["made", "switched"])
 @pytest.mark.parametrize("path", FAST_PATHS + ["reference"], indirect=True)
 def test_random_bits_on_a_dtensor_sharded_along_another_dim_are_refused_naming_it(one_rank, path,
-                                                                                   mode):
+                                                                                   mode, when):
     """An element's random bits follow its index in the whole parameter, which a shard's
     first element's gives for dim-0 shards only: any other split (Shard(1)) would give two
     ranks' elements the same bits, so a step drawing them is refused naming the parameter,
     also after a dim-0 one of the same dtype (the check is each DTensor's), before any
-    change."""
+    change, also where the group is switched to it after steps."""
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
@@ -503,15 +504,23 @@ def test_random_bits_on_a_dtensor_sharded_along_another_dim_are_refused_naming_i
     dtype = torch.bfloat16 if "bf16_stochastic_round" in mode else torch.float32
     params = [torch.nn.Parameter(distribute_tensor(torch.randn(4, 256, dtype=dtype), mesh,
                                                    [Shard(d)])) for d in (0, 1)]
-    opt = OPTIMIZERS["PNM"](params, lr=1e-2, backend=path, **mode)
+    opt = OPTIMIZERS["PNM"](params, lr=1e-2, backend=path, **(mode if when == "made" else {}))
     for p in params:
         p.grad = torch.ones_like(p)
+    if when == "switched":
+        opt.step()
+        opt.param_groups[0].update(mode)
     before = [p.detach().full_tensor().clone() for p in params]
+    def steps():
+        return [float(opt.state[p]["step"]) if "step" in dict(opt.state[p]) else None
+                for p in params]
+
+    steps_before = steps()
     with pytest.raises(ValueError, match=r"params'\]\[1\] .*needs a DTensor sharded along dim 0 "
                                          r"only .*Shard\(dim=1\)"):
         opt.step()
     assert all(torch.equal(p.detach().full_tensor(), b) for p, b in zip(params, before))
-    assert not opt.state
+    assert steps() == steps_before
 
 
 def _one_rank_fsdp2_steps_with_odd_gradients(name, backend):
