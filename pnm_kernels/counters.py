@@ -7,7 +7,7 @@ from typing import Optional
 
 import torch
 
-from .backends.base import STEP_DTYPE, is_whole_count
+from .backends.base import STEP_DTYPE, float_or_none, is_whole_count
 
 
 def is_one_number(value) -> bool:
@@ -62,15 +62,7 @@ def convertible_step(step) -> bool:
         return False
     if torch.is_tensor(step):
         return not step.is_meta
-    return _as_float(step) is not None
-
-
-def _as_float(value) -> Optional[float]:
-    """A real number as a float; None past a float's range (a Python int of 400 digits)."""
-    try:
-        return float(value)
-    except OverflowError:
-        return None
+    return float_or_none(step) is not None
 
 
 def as_step(step, p) -> torch.Tensor:

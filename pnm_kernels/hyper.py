@@ -214,7 +214,7 @@ def coefficients(h: Hyper) -> Coefficients:
 def check_state_dtype(state_dtype, param: torch.Tensor) -> None:
     """Raises ValueError when a parameter cannot keep its state in state_dtype (the caller
     names the parameter): float64 parameters keep float64 state, and complex parameters
-    their own dtype (there is no complex bfloat16)."""
+    their own dtype (there is no complex bfloat16). A DTensor's sharding: check_sharding."""
     if state_dtype is None or state_dtype == param.dtype:
         return
     if param.is_complex():
@@ -223,11 +223,6 @@ def check_state_dtype(state_dtype, param: torch.Tensor) -> None:
     if param.dtype == torch.float64:
         raise ValueError(f"state_dtype={state_dtype} is not supported for float64 parameters "
                          "(their state stays float64: state_dtype=None)")
-    if state_dtype == torch.int8 and not (type(param) in (torch.Tensor, torch.nn.Parameter)
-                                          or _rows_whole(param)):
-        raise ValueError("state_dtype=torch.int8 needs a DTensor sharded along dim 0 only "
-                         "(FSDP2's Shard(0)) or replicated, got placements "
-                         f"{getattr(param, 'placements', None)}")
 
 
 def check_sharding(state_dtype, bf16_stochastic_round: bool, param) -> None:

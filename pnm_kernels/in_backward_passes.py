@@ -117,7 +117,6 @@ class PassEnds:
         self._ends = {}
 
 
-
 def _refuse_compiled_autograd() -> None:
     """Compiled autograd (torch._dynamo.compiled_autograd) traces the backward pass into a
     graph: a pass's end cannot be queued outside it (torch asserts inside its engine), and
@@ -130,5 +129,6 @@ def _refuse_compiled_autograd() -> None:
             "(torch._dynamo.compiled_autograd): its steps run from hooks the backward pass "
             "calls eagerly. Compile the model and its forward, not the backward pass, or "
             "remove the handle (handle.remove()) and step after backward")
+
 
 __all__ = ["PassEnds", "backward_pass"]

@@ -439,17 +439,27 @@ def test_fsdp2_a_local_shard_made_a_lazy_negative_view_is_refused_before_any_cha
     _train(model, opt, xs, ys, range(3))
     shard = params[-1]._local_tensor
     shard.data = torch._neg_view(-shard.data)
-    before = [(p.detach().full_tensor().clone(),
-               {k: v.full_tensor().clone() if hasattr(v, "full_tensor") else v.clone()
-                for k, v in opt.state[p].items()}) for p in params]
+    before = _one_rank_values(opt, params)
     with pytest.raises(RuntimeError, match=rf"params'\]\[{len(params) - 1}\] \(shape .*\) is an "
                                            "unresolved negative view"):
         _train(model, opt, xs, ys, range(3, 4))
+    _assert_one_rank_values(opt, params, before)
+
+
+def _one_rank_values(opt, params):
+    """The parameters and their state on one rank (local shards: a state shard unlike its
+    parameter's cannot be gathered)."""
+    return [(p.detach().full_tensor().clone(),
+             {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
+              for k, v in opt.state[p].items()}) for p in params]
+
+
+def _assert_one_rank_values(opt, params, before):
     for p, (value, state) in zip(params, before):
         assert torch.equal(p.detach().full_tensor(), value)
         for k, v in state.items():
             now = opt.state[p][k]
-            assert torch.equal(now.full_tensor() if hasattr(now, "full_tensor") else now, v)
+            assert torch.equal(now.to_local() if hasattr(now, "to_local") else now, v)
 
 
 @needs_one_rank_fsdp2
@@ -471,17 +481,11 @@ def test_fsdp2_state_whose_local_shard_is_another_ranks_is_refused_before_any_ch
     opt.state[last]["exp_avg_sq"] = DTensor.from_local(
         torch.zeros(local.numel() + 3, device=local.device), last.device_mesh, last.placements,
         shape=last.shape, stride=last.stride())
-    before = [(p.detach().full_tensor().clone(),
-               {k: v.to_local().clone() if hasattr(v, "to_local") else v.clone()
-                for k, v in opt.state[p].items()}) for p in params]
+    before = _one_rank_values(opt, params)
     with pytest.raises(RuntimeError, match=rf"params'\]\[{len(params) - 1}\] .*'exp_avg_sq' "
                                            "has a local shard of shape"):
         _train(model, opt, xs, ys, range(3, 4))
-    for p, (value, state) in zip(params, before):
-        assert torch.equal(p.detach().full_tensor(), value)
-        for k, v in state.items():
-            now = opt.state[p][k]
-            assert torch.equal(now.to_local() if hasattr(now, "to_local") else now, v)
+    _assert_one_rank_values(opt, params, before)
 
 
 @needs_one_rank_fsdp2

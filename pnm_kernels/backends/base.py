@@ -175,11 +175,16 @@ def counts_whole_steps(step: torch.Tensor) -> bool:
 def is_whole_count(value: float) -> bool:
     """A number of steps a counter may hold: whole and >= 0 (at -1 AdaPNM divides by a bias
     correction of 0; at 2.5 the kernels' bias corrections use 3.5, the reference's 3)."""
+    number = float_or_none(value)  # a Python int past a float's range is no count
+    return number is not None and math.isfinite(number) and number >= 0 and number == int(number)
+
+
+def float_or_none(value) -> Optional[float]:
+    """A real number as a float; None past a float's range (a Python int of 400 digits)."""
     try:
-        value = float(value)  # a Python int past a float's range is no count a counter holds
+        return float(value)
     except OverflowError:
-        return False
-    return math.isfinite(value) and value >= 0 and value == int(value)
+        return None
 
 
 def held_lists_ok(batch: Batch) -> bool:
