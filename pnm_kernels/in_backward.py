@@ -83,6 +83,14 @@ class StepInBackward:
         self._pass_stepped = False  # a bucket stepped inside backward since the last step()
         self._loop_zeroes: bool | None = None
         self._probe_grads: dict = {}
+        # Plain gradients held when enabled (an earlier micro-batch's?): the probe's first pass
+        # must not add to them unseen, or it would not see the loop's passes a step
+        # (_ADDED_TO_HELD); zeros, as a loop zeroing in place leaves them, are no pass's.
+        self._held_at_start = {id(p): (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
+                               for g in optimizer.param_groups for p in g["params"]
+                               if type(getattr(p, "grad", None)) is torch.Tensor
+                               and bool(p.grad.any())}
+        self._added_to_held = False
         # The passes that came and their ends, where the pending bucket steps (a nested pass,
         # a reentrant checkpoint's, steps what is ready when it ends, its outer pass the rest).
         self._passes = PassEnds(self._step_pending)
@@ -178,6 +186,8 @@ class StepInBackward:
         if self._accumulating:
             return
         if self._probing:
+            kept, self._held_at_start = self._held_at_start, {}
+            self._added_to_held |= bool(kept and added_to_the_probes(kept, p, grad))
             self._record(p)
             return
         if id(p) in self._freed.since_step:
@@ -325,12 +335,12 @@ class StepInBackward:
         if failed:
             self._pass_stepped = False
         if self._probing:  # the gradients the probe saw are gone: it starts again
-            self._seen, self._param_bits = {}, {}
+            self._seen, self._param_bits, self._added_to_held = {}, {}, False
         elif self._stepped_since_zeroing and self._loop_zeroes is None:
             self._loop_zeroes = True
         self._stepped_since_zeroing = self._freed_since_zeroing = False
         self._loaded_after_failure = False
-        self._probe_grads = {}
+        self._probe_grads, self._held_at_start = {}, {}
         self._hypers.forget()
         if self.reduced_steps is not None:
             self.reduced_steps.zeroing()
@@ -411,12 +421,14 @@ class StepInBackward:
             return True  # steps only what still has a gradient (none, in the usual loop)
         if self.reduced_steps is not None:
             self.reduced_steps.probed()  # the sums of the gradients DDP reduced
-        seen, self._seen = self._seen, {}  # a refused probe is retried afresh
+        seen, self._seen = self._seen, {}  # a refused probe is retried afresh (zero_grad())
         param_bits, self._param_bits = self._param_bits, {}
         if not seen:  # no backward pass before this step (a step before training, DCP's
             return True  # state initialisation): the probe is the next one
         if changed is not None:
             raise RuntimeError(CHANGED.format(changed, "nothing was stepped"))
+        if self._added_to_held:
+            raise RuntimeError(_TWICE.format(_ADDED_TO_HELD))
         for p, passes, _, _ in seen.values():
             if passes > 1:
                 raise RuntimeError(_TWICE.format(
@@ -466,6 +478,11 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "run all but the last inside `with handle.accumulating():`; a parameter reached in "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
           "from each nested backward pass: checkpoint with use_reentrant=False")
+
+_ADDED_TO_HELD = ("a backward pass added to the gradients the parameters held when "
+                  "step_in_backward() was called, with no optimizer.zero_grad() between, so "
+                  "the probe cannot tell the loop's passes a step (nothing was stepped; call "
+                  "step_in_backward() between zero_grad() or step() and a backward pass)")
 
 _AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
 

@@ -17,12 +17,13 @@ from test_in_backward_failed_passes import _FailsInBackward
 # z every gradient zeroed in place by hand, d zeroed through .data (which counts no version),
 # B a backward pass, F a backward pass
 # that fails after the last layer's gradients were made (caught: the batch skipped),
-# S optimizer.step().
+# S optimizer.step(), E step_in_backward() called (at the start where the script has none).
 _STEP_TWICE = r"step\(\) again with no backward pass since the last one and no zero_grad\(\)"
 _ADDED = r"this backward pass added its gradients to those of the step before"
 _AFTER_STEP = r"a backward pass came after step\(\) before zero_grad\(\)"
 _UNCOUNTED = r"zeroed where no version counts \(`p.grad.data.zero_\(\)`"
 _SKIPPED = r"zero_grad\(\) after a backward pass that no step\(\) followed \(a step skipped\)"
+_HELD = r"added to the gradients the parameters held when step_in_backward\(\) was called"
 
 # (script, where the step inside backward is refused (None: nowhere), what it says, whether
 # the refusal comes before the event changed anything)
@@ -40,6 +41,13 @@ LOOPS = {
     "never-zeroed": ("BS" * 4, 2, _ADDED, True),
     "zeroed-through-data": ("BSd" * 4, 3, _UNCOUNTED, True),
     "step-skipped": ("ZBS" * 2 + "ZBZS", 8, _SKIPPED, False),
+    "enabled-between-backward-and-step": ("ZBES" + "ZBS" * 3, None, None, True),
+    "enabled-between-step-and-zeroing": ("ZBSE" + "ZBS" * 3, None, None, True),
+    "enabled-after-step-zeroed-through-the-model": ("BSE" + "mBS" * 3, None, None, True),
+    "enabled-after-step-zeroed-in-place": ("BS0E" + "BS0" * 3, None, None, True),
+    # the probe would see one pass of the loop's two a step
+    "enabled-between-two-passes-of-a-step": ("ZBEBS" + "ZBBS" * 2, 4, _HELD, True),
+    "enabled-after-step-never-zeroed": ("BSE" + "BS" * 3, 4, _HELD, True),
 }
 
 
@@ -49,13 +57,16 @@ def _run(script, in_backward, backend, until=None):
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.Tanh(), torch.nn.Linear(16, 4))
     opt = OPTIMIZERS["AdaPNM"](model.parameters(), lr=1e-2, weight_decay=0.1, backend=backend)
-    if in_backward:
+    if in_backward and "E" not in script:
         opt.step_in_backward(bucket_mib=1e-6)  # a bucket a parameter
     gen = torch.Generator().manual_seed(1)
     raised = None
     for i, event in enumerate(script if until is None or in_backward else script[:until]):
         try:
-            if event == "Z":
+            if event == "E":
+                if in_backward:
+                    opt.step_in_backward(bucket_mib=1e-6)
+            elif event == "Z":
                 opt.zero_grad()
             elif event == "m":
                 model.zero_grad()
