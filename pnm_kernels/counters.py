@@ -8,6 +8,7 @@ from typing import Optional
 import torch
 
 from .backends.base import STEP_DTYPE, float_or_none, is_whole_count
+from .hyper import shown
 
 
 def is_one_number(value) -> bool:
@@ -28,7 +29,7 @@ def count_problem(step) -> Optional[str]:
             return None
         step = step.item()
     if not is_whole_count(step):
-        return f"is {_shown(step)}, not a whole number of steps >= 0"
+        return f"is {shown(step)}, not a whole number of steps >= 0"
     return None
 
 
@@ -42,17 +43,11 @@ def seed_problem(seed) -> Optional[str]:
         seed = seed.item()  # as as_seed reads it
     if isinstance(seed, numbers.Integral):  # exact, however large
         if not -2**63 <= int(seed) < 2**63:
-            return f"is {_shown(seed)}, not a whole number within int64"
+            return f"is {shown(seed)}, not a whole number within int64"
         return None
     if not (math.isfinite(seed) and seed == int(seed) and -2**63 <= int(seed) < 2**63):
         return f"is {seed!r}, not a whole number within int64"
     return None
-
-
-def _shown(value) -> str:
-    """A number for a message: an int of hundreds of digits by its size."""
-    text = repr(value)
-    return text if len(text) <= 40 else f"an integer of {len(str(abs(value)))} digits"
 
 
 def convertible_step(step) -> bool:

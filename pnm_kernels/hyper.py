@@ -41,15 +41,38 @@ def _is_real_number(x) -> bool:
     return type(x) in (float, int) or (isinstance(x, numbers.Real) and not isinstance(x, bool))
 
 
-def _check_real(where, name, value, *, low, high=math.inf, high_open=False):
-    if not _is_real_number(value) or not math.isfinite(value):
+# The largest a hyper-parameter, or a factor the step derives from them, may be: the kernels
+# compute in float32 (float64 parameters aside), and past it a factor is inf (NaN in the step)
+# or, in torch ops on float32 tensors, an overflow error midway through the step.
+LARGEST = float(torch.finfo(torch.float32).max)
+
+
+def _nan_or_infinite(value) -> bool:
+    try:
+        return not math.isfinite(value)
+    except OverflowError:  # an int past a float's range: finite, too large (said so)
+        return False
+
+
+def shown(value) -> str:
+    """A number for a message: an int of hundreds of digits by its size."""
+    text = repr(value)
+    return text if len(text) <= 40 else f"an integer of {len(str(abs(value)))} digits"
+
+
+def _check_real(where, name, value, *, low, high=LARGEST, high_open=False):
+    if not _is_real_number(value) or _nan_or_infinite(value):
         raise ValueError(f"{where}: invalid {name} {value!r}; need a finite real number")
+    if abs(value) > LARGEST:
+        raise ValueError(f"{where}: invalid {name} {shown(value)}; need a magnitude at most "
+                         f"{LARGEST:.4g} (the step's factors are float32)")
     if value < low or value > high or (high_open and value == high):
-        upper = f"< {high}" if high_open else ("" if high == math.inf else f"<= {high}")
+        upper = f"< {high}" if high_open else ("" if high == LARGEST else f"<= {high}")
         raise ValueError(f"{where}: invalid {name} {value!r}; need {low} <= {name} {upper}".rstrip())
 
 
-def validate_lr(lr, where: str) -> None:
+def validate_lr(lr, where: str, group: Optional[dict] = None, adaptive: bool = False) -> None:
+    """With `group`: the factors of the lr and the group's other hyper-parameters too."""
     if isinstance(lr, torch.Tensor):
         if lr.numel() != 1 or not lr.is_floating_point():
             raise ValueError(f"{where}: a tensor lr must be a floating-point tensor with one "
@@ -57,10 +80,22 @@ def validate_lr(lr, where: str) -> None:
         if lr.is_neg():  # the kernels read its memory, not its value
             raise ValueError(f"{where}: the tensor lr is an unresolved negative view (from "
                              f"z.conj().imag or similar): {LAZY_VIEW_ADVICE}")
-        if lr.device.type == "cpu":  # a device lr is not read back: that would synchronise
-            _check_real(where, "lr", float(lr.detach()), low=0.0)
-    else:
-        _check_real(where, "lr", lr, low=0.0)
+        if lr.is_meta:
+            raise ValueError(f"{where}: the tensor lr is on the meta device, which holds no "
+                             "value to step with")
+        if lr.device.type != "cpu":  # a device lr is not read back: that would synchronise
+            return
+        lr = float(lr.detach())
+    _check_real(where, "lr", lr, low=0.0)
+    if group is None:
+        return
+    wd, beta1 = group["weight_decay"], group["betas"][0]
+    for name, factor in (("lr * weight_decay", lr * wd),
+                         ("lr / (1 - beta1)", lr / (1 - beta1) if adaptive else 0.0)):
+        if factor > LARGEST:
+            raise ValueError(f"{where}: {name} is {factor:.4g} (lr {lr!r}, weight_decay "
+                             f"{wd!r}, betas {group['betas']!r}); need at most {LARGEST:.4g} "
+                             "(the step's factors are float32)")
 
 
 def assert_lr_in_graph(lr, where: str) -> None:
@@ -77,7 +112,6 @@ def assert_lr_in_graph(lr, where: str) -> None:
 
 def validate_group(group: dict, adaptive: bool, where: str) -> None:
     """Checks every hyper-parameter of a group (docs/design.md §1 "Valid hyper-parameters")."""
-    validate_lr(group["lr"], where)
     betas = group["betas"]
     names = ("beta1", "beta2", "beta0") if adaptive else ("beta1", "beta0")
     if not isinstance(betas, (tuple, list)) or len(betas) != len(names):
@@ -89,6 +123,7 @@ def validate_group(group: dict, adaptive: bool, where: str) -> None:
         else:
             _check_real(where, label, value, low=0.0, high=1.0, high_open=True)
     _check_real(where, "weight_decay", group["weight_decay"], low=0.0)
+    validate_lr(group["lr"], where, group, adaptive)
     flags = ("decoupled", "maximize", "bf16_stochastic_round") + (("amsgrad",) if adaptive else ())
     if adaptive:
         _check_real(where, "eps", group["eps"], low=0.0)

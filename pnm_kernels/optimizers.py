@@ -96,7 +96,8 @@ class _PositiveNegativeMomentum(Optimizer):
                            f"state_dict['param_groups'][{gi}]")
         saved_state.refuse_malformed_entries(state_dict)
         saved_state.refuse_foreign_state(state_dict, self._buffer_names, self._keys,
-                                         type(self).__name__)
+                                         type(self).__name__,
+                                         bool(self._optimizer_load_state_dict_pre_hooks))
         saved_state.refuse_negative_scales(state_dict, self._buffer_names)
         saved_state.refuse_meta_state(state_dict, self.param_groups)
         state_dict = saved_codes.refuse_codes_read_as_values(self, state_dict)

@@ -5,6 +5,7 @@ import operator
 import sys
 
 import torch
+from torch.utils._python_dispatch import is_traceable_wrapper_subclass
 
 from .backends.base import Batch
 from .layout import LAZY_VIEW_ADVICE, dense_like, is_dense, lazy_view
@@ -12,13 +13,20 @@ from .state import is_dtensor, is_plain
 
 
 def describe(param, gi, pi) -> str:
-    return (f"param_groups[{gi}]['params'][{pi}] (shape {tuple(param.shape)}, {param.dtype}, "
-            f"{param.device})")
+    shape = "nested" if param.is_nested else f"shape {tuple(param.shape)}"
+    return f"param_groups[{gi}]['params'][{pi}] ({shape}, {param.dtype}, {param.device})"
 
 
 def check_param(param, gi, pi) -> None:
     """Raises, naming the parameter, if it or its gradient cannot step."""
     grad = param.grad
+    for what, t in (("", param), ("'s gradient", grad)):
+        kind = ("a nested tensor" if t.is_nested else
+                f"a {type(t).__name__}, a tensor subclass wrapping other tensors"
+                if is_traceable_wrapper_subclass(t) and not is_dtensor(t) else None)
+        if kind:
+            raise RuntimeError(f"{describe(param, gi, pi)}{what} is {kind}: not supported (the "
+                               "steps take plain tensors' memory, or a DTensor's shard)")
     if grad.is_sparse or grad.layout != torch.strided:
         raise RuntimeError(f"{describe(param, gi, pi)} has a sparse gradient; PNM and AdaPNM "
                            "do not support sparse gradients")

@@ -72,7 +72,7 @@ class Planner:
             return known[1]
         if known is not None and type(group["lr"]) is float and now[1:] == known[0][1:]:
             # Only a float lr changed (a scheduler's, every step): only it is checked.
-            validate_lr(group["lr"], f"param_groups[{gi}]")
+            validate_lr(group["lr"], f"param_groups[{gi}]", group, self.adaptive)
             hyper = known[1].with_lr(group["lr"])
         else:
             validate_group(group, self.adaptive, f"param_groups[{gi}]")

@@ -57,13 +57,16 @@ _ANY_BUFFER_KEY = frozenset(keys_read(PNM_BUFFERS + ADAPNM_BUFFERS))
 
 
 def refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
-                          optimizer: str) -> None:
+                          optimizer: str, converted: bool = False) -> None:
     """Raises, naming the entry, where a saved entry holds none of this optimizer's buffers
     but keys it never holds: another optimizer's state (SGD's momentum_buffer, RMSprop's
     square_avg), whose step counter would carry over onto fresh buffers. Keys of a user's own
     beside this optimizer's buffers stay, as torch's optimizers keep them, and so does an
     entry of a user's keys alone (a parameter not stepped yet) where the groups were saved
-    by PNM or AdaPNM (they hold this optimizer's hyper-parameter keys: `backend`...)."""
+    by PNM or AdaPNM (they hold this optimizer's hyper-parameter keys: `backend`...). And a
+    group without betas (SGD's), or with an eps that PNM has not (AdamW's), where no state
+    entry told (a never-stepped optimizer's), unless `converted` (a pre-hook of the user's
+    ran: its converter may leave keys to the defaults)."""
     own = set(keys_read(names))
     ours = all(set(group_keys) <= group.keys() for group in state_dict.get("param_groups", []))
     for index, entry in state_dict.get("state", {}).items():
@@ -76,6 +79,17 @@ def refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
                 f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
                 "optimizer? Load the model's weights alone, and let this optimizer's state "
                 "start afresh")
+    for gi, group in enumerate(state_dict.get("param_groups", []) if not converted else []):
+        # Every version of the authors' optimizers saves betas, and their PNM no eps.
+        odd = None if not isinstance(group, dict) else "has no 'betas'" if (
+            "betas" not in group) else "has an 'eps'" if (
+            "eps" in group and "eps" not in group_keys) else None
+        if odd:
+            raise ValueError(
+                f"state_dict['param_groups'][{gi}] {odd}, unlike {optimizer}'s groups: the "
+                "state_dict of another optimizer (its hyper-parameters would be read as this "
+                "one's: AdamW's beta2 as beta0)? Convert it in a load_state_dict pre-hook, or "
+                "let this optimizer start afresh")
 
 
 def refuse_negative_scales(state_dict: dict, names: tuple) -> None:

@@ -9,7 +9,6 @@ new gradients would recompile.)
 Also here: the checks inside the graph of what dynamo does not guard (the CPU step counters'
 values; every tensor's memory, dtype, device and layout as traced), as custom ops: in C++
 where the extension is built, in Python otherwise."""
-import sys
 import weakref
 
 import torch
@@ -19,7 +18,7 @@ from .aliasing import LR, MemoryClaims, extents_meet
 from .backends import REGISTRY, traceable
 from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
-from .hyper import Hyper, assert_lr_in_graph, needs_seed, validate_group
+from .hyper import LARGEST, Hyper, assert_lr_in_graph, needs_seed, validate_group
 from .layout import LAZY_VIEW_ADVICE, lazy_view
 from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
                      kernel_views, local)
@@ -49,9 +48,13 @@ def step(optimizer, scaling: Scaling) -> None:
         if isinstance(group["lr"], float):
             # A float lr that changed once is a graph input dynamo does not guard, and
             # _init_group's validation ran at tracing: a guard on what it checked makes a
-            # negative or infinite one trace again, which refuses it (a NaN traces anyway).
+            # negative or too large one trace again, which refuses it (a NaN traces anyway).
+            # Bounds of constants (no symbolic product): within LARGEST, with its factors.
+            wd, beta1 = group["weight_decay"], group["betas"][0]
+            bound = min(LARGEST, LARGEST / wd if wd else LARGEST,
+                        LARGEST * (1 - beta1) if optimizer._adaptive else LARGEST)
             torch._check(group["lr"] >= 0)
-            torch._check(group["lr"] <= sys.float_info.max)  # sympy takes `< inf` as true
+            torch._check(group["lr"] <= bound)  # `<=`: sympy takes `< inf` as true
     if counters[0]:  # none on a device: no op in the graph
         _check_step_counts(*counters)
     steps, written, read = _memory_of(optimizer, groups)

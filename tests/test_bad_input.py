@@ -36,6 +36,15 @@ BAD_HYPER = [
     ("AdaPNM", dict(eps=-1e-8), "eps"),
     ("AdaPNM", dict(eps=float("inf")), "eps"),
     ("AdaPNM", dict(amsgrad=1), "amsgrad"),
+    # past float32's range (the step's factors are float32): refused, not NaN or an overflow
+    # error midway through a step; a Python int past a float's range is named too
+    ("PNM", dict(lr=10**400), "invalid lr an integer of 401 digits"),
+    ("PNM", dict(betas=(0.9, -1e39)), "beta0"),
+    ("PNM", dict(weight_decay=10**400), "weight_decay"),
+    ("PNM", dict(lr=1e30, weight_decay=1e10), r"lr \* weight_decay is 1e\+40"),
+    ("AdaPNM", dict(eps=1e39), "eps"),
+    ("AdaPNM", dict(lr=1e31, betas=(1 - 1e-8, 0.999, 1.0)), r"lr / \(1 - beta1\)"),
+    ("PNM", dict(lr=torch.tensor(0.1, device="meta")), "tensor lr is on the meta device"),
 ]
 
 
@@ -88,14 +97,17 @@ def _set_lr(group, how, value):
 
 
 @pytest.mark.parametrize("how", ["assigned", "tensor_filled", "tensor_data_filled"])
-@pytest.mark.parametrize("bad_lr", [float("nan"), -0.1, float("inf")], ids=["nan", "negative", "inf"])
+@pytest.mark.parametrize("bad_lr", [float("nan"), -0.1, float("inf"), 1e39],
+                         ids=["nan", "negative", "inf", "past-float32"])
 @cases.parametrize(["reference"] + FAST_PATHS)
 def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, bad_lr, how):
     """As a scheduler sets it, after steps that repeat the last one (whose check of a new
     float lr is the lr's alone): the step raises naming the group, changes nothing, and
     steps again once the lr is valid."""
     params = make_params([(5,), (3, 2)])
-    lr = 0.01 if how == "assigned" else torch.tensor(0.01)
+    # (a float64 tensor lr holds a value past float32's range)
+    dtype = torch.float64 if abs(bad_lr) > 1e38 else torch.float32
+    lr = 0.01 if how == "assigned" else torch.tensor(0.01, dtype=dtype)
     opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:], lr=lr)], lr=0.01,
                            backend=path)
     train(opt, params, 3)
@@ -110,6 +122,25 @@ def test_an_invalid_lr_set_between_steps_raises_before_any_change(path, name, ba
     _set_lr(opt.param_groups[1], how, 0.005)
     opt.step()
     assert [opt.state[p]["step"].item() for p in params] == [4, 4]
+
+
+@cases.parametrize(["reference"] + FAST_PATHS)
+def test_an_lr_whose_decay_factor_leaves_float32_is_refused_between_steps(path, name):
+    """A new float lr alone is checked on a repeated step, with its products: lr *
+    weight_decay past float32's range is refused naming the group, nothing stepped (the
+    kernels would write NaN, torch's float32 ops raise midway)."""
+    params = make_params([(5,), (3, 2)])
+    opt = OPTIMIZERS[name]([dict(params=params[:1]), dict(params=params[1:], weight_decay=10.0)],
+                           lr=0.01, backend=path)
+    train(opt, params, 3)
+    opt.param_groups[1]["lr"] = 1e38
+    for p in params:
+        p.grad = torch.ones_like(p)
+    before = [p.detach().clone() for p in params]
+    with pytest.raises(ValueError, match=r"param_groups\[1\]: lr \* weight_decay is 1e\+39"):
+        opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(params, before))
+    assert [opt.state[p]["step"].item() for p in params] == [3, 3]
 
 
 @cases.parametrize(FAST_PATHS)

@@ -132,7 +132,14 @@ def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step
     assert [int(opt.state[p]["step"]) for p in params] == [2, 2]
 
 
-@pytest.mark.parametrize("bad", [-0.1, float("inf")], ids=["negative", "infinite"])
+# A float lr made bad, and what the refusal says: lr / (1 - beta1), AdaPNM's first step's
+# factor, past float32's range while the lr is within it.
+BAD_FLOAT_LR = {"negative": (-0.1, "invalid lr"), "infinite": (float("inf"), "invalid lr"),
+                "too-large": (1e39, "invalid lr"),
+                "its-factor-too-large": (1e38, r"lr / \(1 - beta1\) is 1e\+39")}
+
+
+@pytest.mark.parametrize("bad", BAD_FLOAT_LR)
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
 def test_a_float_lr_made_dynamic_then_bad_is_refused_by_the_compiled_step(backend, compiler,
@@ -151,8 +158,8 @@ def test_a_float_lr_made_dynamic_then_bad_is_refused_by_the_compiled_step(backen
         for p in params:
             p.grad = torch.ones_like(p)
         step()
-    opt.param_groups[1]["lr"] = bad
-    _assert_refused_untouched(step, opt, params, r"param_groups\[1\]: invalid lr",
+    opt.param_groups[1]["lr"], message = BAD_FLOAT_LR[bad]
+    _assert_refused_untouched(step, opt, params, rf"param_groups\[1\]: {message}",
                               error=Exception)
     opt.param_groups[1]["lr"] = 1e-3
     step()

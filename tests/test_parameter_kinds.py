@@ -95,16 +95,45 @@ def test_a_parameter_subclass_steps_as_a_plain_parameter(path, name, state_dtype
     assert_same_bits(*run(_LibraryParameter), *run(torch.nn.Parameter))
 
 
+@pytest.mark.parametrize("backend", ["auto", "foreach", "reference"])
 @OVER_OPTIMIZERS
-def test_meta_parameters_step_like_torchs_optimizers(name):
-    """On the meta device (shapes without data) a step makes the state and counts."""
+def test_meta_parameters_step_like_torchs_optimizers(name, backend):
+    """On the meta device (shapes without data) a step makes the state and counts, the
+    reference's too (its per-parameter step reads the counter's value, which meta has not)."""
     p = torch.nn.Parameter(torch.empty(3, 2, device="meta"))
     p.grad = torch.empty(3, 2, device="meta")
-    opt = OPTIMIZERS[name]([p])
+    opt = OPTIMIZERS[name]([p], backend=backend)
     opt.step()
     opt.step()
     assert opt.state[p]["step"].device.type == "meta"
     assert all(b.shape == p.shape for k, b in opt.state[p].items() if k != "step")
+
+
+def _wrapping_subclass():
+    from torch.testing._internal.two_tensor import TwoTensor
+    t = torch.randn(4, 3)
+    return TwoTensor(t, t.clone()), "a TwoTensor, a tensor subclass wrapping other tensors"
+
+
+def _nested():
+    nested = torch.nested.nested_tensor([torch.randn(2, 3), torch.randn(4, 3)],
+                                        layout=torch.jagged)
+    return nested, "a nested tensor"
+
+
+@pytest.mark.parametrize("make", [_wrapping_subclass, _nested], ids=["TwoTensor", "nested"])
+@cases.parametrize(["reference"] + FAST_PATHS)
+def test_a_parameter_wrapping_other_tensors_is_refused_naming_it_untouched(path, name, make):
+    """Which memory a wrapper subclass (not DTensor) or a nested tensor steps is no plain
+    tensor's: refused naming it (not as memory shared with its gradient), nothing stepped."""
+    data, kind = make()
+    plain = torch.nn.Parameter(torch.ones(3))
+    odd = torch.nn.Parameter(data)
+    opt = OPTIMIZERS[name]([plain, odd], lr=0.1, backend=path)
+    plain.grad, odd.grad = torch.ones(3), data.clone()
+    with pytest.raises(RuntimeError, match=rf"param_groups\[0\]\['params'\]\[1\].* is {kind}"):
+        opt.step()
+    assert torch.equal(plain, torch.ones(3)) and not opt.state
 
 
 def test_auto_backend_picks_fused_on_cpu_when_built():

@@ -141,6 +141,37 @@ def test_loading_another_optimizers_state_dict_raises_before_changing_anything(c
     train(opt, params, 1, start=2)
 
 
+# A never-stepped optimizer's state_dict (no entry to tell), and the refusal's words.
+FOREIGN_GROUPS = {
+    "AdamW into PNM": ("PNM", torch.optim.AdamW, r"\[0\] has an 'eps', unlike PNM's groups"),
+    "SGD into PNM": ("PNM", torch.optim.SGD, r"\[0\] has no 'betas', unlike PNM's groups"),
+    "RMSprop into AdaPNM": ("AdaPNM", torch.optim.RMSprop,
+                            r"\[0\] has no 'betas', unlike AdaPNM's groups"),
+}
+
+
+@pytest.mark.parametrize("case", list(FOREIGN_GROUPS))
+def test_a_never_stepped_optimizers_groups_are_refused_unless_a_pre_hook_converts(case):
+    """Its groups alone would load, read as this optimizer's (AdamW's beta2 as PNM's beta0);
+    a user's load pre-hook is trusted to have converted them."""
+    name, foreign, culprit = FOREIGN_GROUPS[case]
+    params = make_params([(4,)])
+    saved = foreign(params, lr=0.01).state_dict()
+    opt = OPTIMIZERS[name](params, lr=0.05)
+    train(opt, params, 2)
+    before = copy.deepcopy(opt.state_dict())
+    with pytest.raises(ValueError, match=rf"state_dict\['param_groups'\]{culprit}"):
+        opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.05
+    assert opt.param_groups[0]["betas"] == before["param_groups"][0]["betas"]
+    assert len(opt.state) == 1
+    opt.register_load_state_dict_pre_hook(
+        lambda _, sd: {**sd, "param_groups": [{k: v for k, v in g.items() if k != "eps"}
+                                              for g in sd["param_groups"]]})
+    opt.load_state_dict(saved)
+    assert opt.param_groups[0]["lr"] == 0.01 and not opt.state
+
+
 @cases.parametrize(FAST_PATHS)
 def test_a_users_own_key_may_hold_a_tensor_without_storage(path, name):
     """A sparse tensor beside the buffers (only the keys a step reads are checked or

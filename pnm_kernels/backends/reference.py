@@ -23,6 +23,9 @@ class ReferenceBackend:
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         if skip_step(scaling.found_inf):
             return
+        if batch.params[0].device.type == "meta":  # no values to compute, as foreach's
+            torch._foreach_add_(batch.steps, 1.0)  # only the counters advance
+            return
         names = ADAPNM_BUFFERS if hyper.adaptive else PNM_BUFFERS
         common: dict[str, Any] = dict(
             lr=float(hyper.lr), beta1=hyper.beta1, beta0=hyper.beta0,
