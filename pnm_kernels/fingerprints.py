@@ -56,10 +56,11 @@ def refuse_changed_at_the_probe(seen: dict, param_bits: dict) -> None:
                 "Register such a hook before step_in_backward(), or use the ordinary step")
 
 
-def added_to_the_probes(kept: dict, p, grad) -> str | None:
+def added_to_the_probes(kept: dict, p, grad, whose: str = "of the step before") -> str | None:
     """At the first gradient (p's) of the first pass after the probe's step: does the pass add
-    to the gradients that step left (`kept`: id -> its parameter, gradient, version)? Says how,
-    or None. Another parameter's, which this pass has not reached yet, is still the tensor
+    to the gradients that step left (`kept`: id -> its parameter, gradient, version; `whose`
+    they are, for the message: those held when step_in_backward() was called, at the probe's
+    first pass)? Says how, or None. Another parameter's, which this pass has not reached yet, is still the tensor
     left, unwritten since (zeroing in place writes it); with none other, p's own was written
     once since, by autograd's in-place sum (a hook of the user's may have written it again)."""
     others = [(q(), g(), version) for key, (q, g, version) in kept.items() if key != id(p)]
@@ -69,15 +70,29 @@ def added_to_the_probes(kept: dict, p, grad) -> str | None:
         if not unwritten:
             return None
         if not any(bool(local(g).any()) for g in unwritten):  # read on the way to refusing
-            return ("the gradients the step before left were zeroed where no version counts "
+            return (f"the gradients {whose} were zeroed where no version counts "
                     "(`p.grad.data.zero_()`: zero with `p.grad.zero_()`), so this pass looks "
                     "like one adding its gradients to them")
-        return _ADDED
+        return _ADDED.format(whose)
     if id(p) not in kept:
         return None
     _, g, version = kept[id(p)]
-    return _ADDED if g() is grad and grad._version <= version + 1 else None
+    return _ADDED.format(whose) if g() is grad and grad._version <= version + 1 else None
 
 
-_ADDED = ("this backward pass added its gradients to those of the step before, as no "
-          "zero_grad() came between")
+def any_nonzero(params) -> list:
+    """Whether each parameter's gradient holds a nonzero element: read back once a device
+    (not a synchronisation a parameter)."""
+    by_device: dict = {}
+    for i, p in enumerate(params):
+        by_device.setdefault(p.grad.device, []).append(i)
+    found = [False] * len(params)
+    for places in by_device.values():
+        flags = torch.stack([params[i].grad.any() for i in places]).tolist()
+        for i, flag in zip(places, flags):
+            found[i] = flag
+    return found
+
+
+_ADDED = ("this backward pass added its gradients to those {}, as no zero_grad() came "
+          "between")

@@ -89,25 +89,57 @@ def validate_lr(lr, where: str, group: Optional[dict] = None, adaptive: bool = F
     _check_real(where, "lr", lr, low=0.0)
     if group is None:
         return
-    wd, beta1 = group["weight_decay"], group["betas"][0]
-    for name, factor in (("lr * weight_decay", lr * wd),
-                         ("lr / (1 - beta1)", lr / (1 - beta1) if adaptive else 0.0)):
+    for name, factor in _lr_factors(lr, group, adaptive):
         if factor > LARGEST:
             raise ValueError(f"{where}: {name} is {factor:.4g} (lr {lr!r}, weight_decay "
-                             f"{wd!r}, betas {group['betas']!r}); need at most {LARGEST:.4g} "
-                             "(the step's factors are float32)")
+                             f"{group['weight_decay']!r}, betas {group['betas']!r}); need at "
+                             f"most {LARGEST:.4g} (the step's factors are float32)")
 
 
-def assert_lr_in_graph(lr, where: str) -> None:
+def _lr_factors(lr, group: dict, adaptive: bool) -> list:
+    """The factors of the lr a step computes: the decoupled decay's and AdaPNM's first step
+    size (1 - beta1^t is smallest at t = 1)."""
+    factors = [("lr * weight_decay", lr * group["weight_decay"])] if group["decoupled"] else []
+    return factors + ([("lr / (1 - beta1)", lr / (1 - group["betas"][0]))] if adaptive else [])
+
+
+def lr_bound(group: dict, adaptive: bool) -> float:
+    """The largest lr validate_lr accepts for the group (its other keys validated): as a
+    bound of constants, for the checks inside a traced step."""
+    per_unit_lr = [factor for _, factor in _lr_factors(1.0, group, adaptive) if factor > 0]
+    return min([LARGEST] + [LARGEST / factor for factor in per_unit_lr])
+
+
+def assert_lr_in_graph(lr, where: str, bound: float) -> None:
     """validate_lr's check of a CPU tensor lr's value, as an op of a traced step: dynamo
     does not guard that value, so a check at tracing would see only the lr the step was
     traced with (one filled with NaN later stepped every parameter to NaN). A device lr is
-    not checked, as in eager (a failed device assert also ends the process)."""
+    not checked, as in eager (a failed device assert also ends the process). `bound`:
+    lr_bound's."""
     if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1
             and lr.is_floating_point()):
-        torch._assert_async((lr >= 0) & torch.isfinite(lr),
-                            f"{where}: invalid lr (a tensor now NaN, infinite or negative); "
-                            "need a finite real number >= 0")
+        torch._assert_async((lr >= 0) & (lr <= bound),
+                            f"{where}: invalid lr (a tensor now NaN, negative, or past "
+                            f"{bound:.4g}, where the step's float32 factors end); need a "
+                            "finite real number >= 0")
+
+
+def check_float16_factors(hyper: "Hyper", where: str) -> None:
+    """The reference and foreach step float16 parameters in float16 torch ops, which refuse
+    a scalar past float16's largest midway through a step: refused before it (the kernels
+    compute in float32)."""
+    lr = float(hyper.lr)  # a device lr is read: float16 on these backends is the CPU's
+    factors = [("lr", lr), ("1 + |beta0|", 1 + abs(hyper.beta0)),
+               ("weight_decay", hyper.weight_decay), ("eps", hyper.eps),
+               ("lr * weight_decay", 1 + lr * hyper.weight_decay if hyper.decoupled else 0.0),
+               ("lr / (1 - beta1)", lr / (1 - hyper.beta1) if hyper.adaptive else 0.0)]
+    largest = torch.finfo(torch.float16).max
+    for name, factor in factors:
+        if factor > largest:
+            raise ValueError(f"{where}: {name} is {factor:.4g}, past float16's largest "
+                             f"({largest:.0f}), which the float16 parameters' step on this "
+                             "backend computes in; use backend='fused' (float32 arithmetic) "
+                             "or state_dtype=torch.float32")
 
 
 def validate_group(group: dict, adaptive: bool, where: str) -> None:
@@ -284,6 +316,6 @@ def _rows_whole(param) -> bool:
 
 
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
-           "assert_lr_in_graph", "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
+           "assert_lr_in_graph", "lr_bound", "check_float16_factors", "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
            "STATE_DTYPES", "check_state_dtype", "check_sharding",
            "steps_in_float32", "needs_seed"]

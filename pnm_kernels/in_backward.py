@@ -21,7 +21,8 @@ import weakref
 import torch
 
 from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by, refuse_ddp
-from .fingerprints import added_to_the_probes, fingerprint, refuse_changed_at_the_probe
+from .fingerprints import (added_to_the_probes, any_nonzero, fingerprint,
+                           refuse_changed_at_the_probe)
 from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
 from .in_backward_owners import refuse_stepped_elsewhere
@@ -83,14 +84,13 @@ class StepInBackward:
         self._pass_stepped = False  # a bucket stepped inside backward since the last step()
         self._loop_zeroes: bool | None = None
         self._probe_grads: dict = {}
-        # Plain gradients held when enabled (an earlier micro-batch's?): the probe's first pass
-        # must not add to them unseen, or it would not see the loop's passes a step
-        # (_ADDED_TO_HELD); zeros, as a loop zeroing in place leaves them, are no pass's.
+        # Plain gradients held when enabled (an earlier micro-batch's?) that the probe's first
+        # pass adds to: it would not see the loop's passes a step. Zeros are no pass's.
+        held = [p for g in optimizer.param_groups for p in g["params"]
+                if type(getattr(p, "grad", None)) is torch.Tensor and not p.grad.is_meta]
         self._held_at_start = {id(p): (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
-                               for g in optimizer.param_groups for p in g["params"]
-                               if type(getattr(p, "grad", None)) is torch.Tensor
-                               and bool(p.grad.any())}
-        self._added_to_held = False
+                               for p, nonzero in zip(held, any_nonzero(held)) if nonzero}
+        self._added_to_held: str | None = None  # how, where it did
         # The passes that came and their ends, where the pending bucket steps (a nested pass,
         # a reentrant checkpoint's, steps what is ready when it ends, its outer pass the rest).
         self._passes = PassEnds(self._step_pending)
@@ -187,7 +187,8 @@ class StepInBackward:
             return
         if self._probing:
             kept, self._held_at_start = self._held_at_start, {}
-            self._added_to_held |= bool(kept and added_to_the_probes(kept, p, grad))
+            self._added_to_held = self._added_to_held or (kept and added_to_the_probes(
+                kept, p, grad, "held when step_in_backward() was called")) or None
             self._record(p)
             return
         if id(p) in self._freed.since_step:
@@ -335,7 +336,7 @@ class StepInBackward:
         if failed:
             self._pass_stepped = False
         if self._probing:  # the gradients the probe saw are gone: it starts again
-            self._seen, self._param_bits, self._added_to_held = {}, {}, False
+            self._seen, self._param_bits, self._added_to_held = {}, {}, None
         elif self._stepped_since_zeroing and self._loop_zeroes is None:
             self._loop_zeroes = True
         self._stepped_since_zeroing = self._freed_since_zeroing = False
@@ -428,7 +429,7 @@ class StepInBackward:
         if changed is not None:
             raise RuntimeError(CHANGED.format(changed, "nothing was stepped"))
         if self._added_to_held:
-            raise RuntimeError(_TWICE.format(_ADDED_TO_HELD))
+            raise RuntimeError(_TWICE.format(_ADDED_TO_HELD.format(self._added_to_held)))
         for p, passes, _, _ in seen.values():
             if passes > 1:
                 raise RuntimeError(_TWICE.format(
@@ -479,10 +480,9 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
           "from each nested backward pass: checkpoint with use_reentrant=False")
 
-_ADDED_TO_HELD = ("a backward pass added to the gradients the parameters held when "
-                  "step_in_backward() was called, with no optimizer.zero_grad() between, so "
-                  "the probe cannot tell the loop's passes a step (nothing was stepped; call "
-                  "step_in_backward() between zero_grad() or step() and a backward pass)")
+_ADDED_TO_HELD = ("{}: the probe cannot tell the loop's passes a step (nothing was stepped; "
+                  "call step_in_backward() right after zero_grad(), or after step() in a loop "
+                  "that calls zero_grad() before its next pass)")
 
 _AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
 

@@ -12,8 +12,8 @@ from .aliasing import GRADIENT, LR, PARAMETER, MemoryClaims
 from .backends import REGISTRY, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
-from .hyper import (Hyper, check_sharding, check_state_dtype, signature, steps_in_float32,
-                    validate_group, validate_lr)
+from .hyper import (Hyper, check_float16_factors, check_sharding, check_state_dtype, signature,
+                    steps_in_float32, validate_group, validate_lr)
 from .params import check_param, check_param_list, check_unique, describe, shards_match
 from .state import claim_state, is_plain
 
@@ -154,7 +154,11 @@ class Planner:
                     self._groupings.clear()
                     self._unique.clear()  # ids of groupings let go
                 self._groupings[key] = grouping
-            for b, (backend, idx, _, _) in enumerate(grouping.batches):
+            for b, (backend, idx, _, (_, dtype)) in enumerate(grouping.batches):
+                if dtype == torch.float16 and backend in ("reference", "foreach"):
+                    hyper = self._hypers[id(group)][1]
+                    if not hyper.in_float32(dtype):
+                        check_float16_factors(hyper, f"param_groups[{gi}]")
                 batch_params, batch_grads = _pick(params, grads, idx)
                 ids = key[2] if len(grouping.batches) == 1 else tuple(map(id, batch_params))
                 plan.append(PlanItem(group, backend, batch_params, batch_grads, ids,

@@ -142,9 +142,9 @@ def refuse_codes_read_as_values(optimizer, state_dict: dict) -> dict:
     # Written into in place only if a refused buffer is one of the optimizer's own tensors
     # (DCP's load): a state_dict() of its own, its codes replaced by new float tensors, holds
     # the optimizer's tensors too, untouched.
-    held = {_storage(t) for entry in optimizer.state.values() if isinstance(entry, dict)
-            for t in entry.values() if torch.is_tensor(t)} - {0}
-    in_place = any(_storage(buffer) in held for _, _, _, buffer in refused)
+    own = _held(t for entry in optimizer.state.values() if isinstance(entry, dict)
+                for t in entry.values())
+    in_place = any(_is_one_of(buffer, own) for _, _, _, buffer in refused)
     written_into_own = False
     for saved, group in zip(saved_groups, optimizer.param_groups if in_place else []):
         ids, params = saved.get("params", []), group["params"]
@@ -176,13 +176,22 @@ def _written_into(own, entry):
     (DCP loaded into it in place), else None."""
     if not own:
         return None
-    held = {_storage(t) for t in own.values() if torch.is_tensor(t)} - {0}
-    return own if any(torch.is_tensor(t) and _storage(t) in held for t in entry.values()) else None
+    held = _held(own.values())
+    return own if any(torch.is_tensor(t) and _is_one_of(t, held)
+                      for t in entry.values()) else None
 
 
-def _storage(t: torch.Tensor) -> int:
-    """Where t's memory lies (0: none, an empty tensor's)."""
-    return local(t).untyped_storage().data_ptr()
+def _held(values) -> tuple:
+    """The memory (storages) and the tensors themselves (ids) of the tensors among values."""
+    shards = [local(t) for t in values if torch.is_tensor(t)]
+    return {t.untyped_storage().data_ptr() for t in shards} - {0}, {id(t) for t in shards}
+
+
+def _is_one_of(t: torch.Tensor, held: tuple) -> bool:
+    """Whether t lies in memory _held found, or (empty, with none: a shard of no rows, whose
+    rank must refuse as the others) is one of its tensors."""
+    shard = local(t)
+    return shard.untyped_storage().data_ptr() in held[0] or id(shard) in held[1]
 
 
 __all__ = ["KEY", "BUFFERS", "hold_key", "hold_key_pre_hook", "mark",

@@ -64,9 +64,9 @@ def refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
     beside this optimizer's buffers stay, as torch's optimizers keep them, and so does an
     entry of a user's keys alone (a parameter not stepped yet) where the groups were saved
     by PNM or AdaPNM (they hold this optimizer's hyper-parameter keys: `backend`...). And a
-    group without betas (SGD's), or with an eps that PNM has not (AdamW's), where no state
-    entry told (a never-stepped optimizer's), unless `converted` (a pre-hook of the user's
-    ran: its converter may leave keys to the defaults)."""
+    group without betas (SGD's), or with an eps that PNM has not (AdamW's: one never stepped
+    has no entry to tell), unless `converted` (a pre-hook of the user's ran: its converter
+    may leave keys to the defaults)."""
     own = set(keys_read(names))
     ours = all(set(group_keys) <= group.keys() for group in state_dict.get("param_groups", []))
     for index, entry in state_dict.get("state", {}).items():
@@ -79,8 +79,10 @@ def refuse_foreign_state(state_dict: dict, names: tuple, group_keys: tuple,
                 f"of {optimizer}'s buffers ({', '.join(names)}): the state_dict of another "
                 "optimizer? Load the model's weights alone, and let this optimizer's state "
                 "start afresh")
-    for gi, group in enumerate(state_dict.get("param_groups", []) if not converted else []):
-        # Every version of the authors' optimizers saves betas, and their PNM no eps.
+    for gi, group in enumerate(state_dict.get("param_groups", []) if not (
+            converted or ours) else []):
+        # Every version of the authors' optimizers saves betas, and their PNM no eps (ours
+        # hold this optimizer's keys: an eps there is a user's own).
         odd = None if not isinstance(group, dict) else "has no 'betas'" if (
             "betas" not in group) else "has an 'eps'" if (
             "eps" in group and "eps" not in group_keys) else None

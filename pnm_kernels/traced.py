@@ -18,7 +18,7 @@ from .aliasing import LR, MemoryClaims, extents_meet
 from .backends import REGISTRY, traceable
 from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
-from .hyper import LARGEST, Hyper, assert_lr_in_graph, needs_seed, validate_group
+from .hyper import Hyper, assert_lr_in_graph, lr_bound, needs_seed, validate_group
 from .layout import LAZY_VIEW_ADVICE, lazy_view
 from .params import (check_param_list, check_unique, dense_copies, element_offset, kernel_batch,
                      kernel_views, local)
@@ -28,7 +28,8 @@ from .quantization import scale_name
 
 def step(optimizer, scaling: Scaling) -> None:
     for gi, group in enumerate(optimizer.param_groups):  # before any group steps
-        assert_lr_in_graph(group["lr"], f"param_groups[{gi}]")
+        assert_lr_in_graph(group["lr"], f"param_groups[{gi}]",
+                           lr_bound(group, optimizer._adaptive))
     # Every group's lists, and their counters checked, before any group steps.
     groups = []
     counters: tuple[list, list, list] = ([], [], [])  # the CPU ones, their groups and places
@@ -49,12 +50,10 @@ def step(optimizer, scaling: Scaling) -> None:
             # A float lr that changed once is a graph input dynamo does not guard, and
             # _init_group's validation ran at tracing: a guard on what it checked makes a
             # negative or too large one trace again, which refuses it (a NaN traces anyway).
-            # Bounds of constants (no symbolic product): within LARGEST, with its factors.
-            wd, beta1 = group["weight_decay"], group["betas"][0]
-            bound = min(LARGEST, LARGEST / wd if wd else LARGEST,
-                        LARGEST * (1 - beta1) if optimizer._adaptive else LARGEST)
+            # A bound of constants (no symbolic product): the lr and its factors' range.
             torch._check(group["lr"] >= 0)
-            torch._check(group["lr"] <= bound)  # `<=`: sympy takes `< inf` as true
+            torch._check(group["lr"] <= lr_bound(group, optimizer._adaptive))  # `<=`: sympy
+            # takes `< inf` as true
     if counters[0]:  # none on a device: no op in the graph
         _check_step_counts(*counters)
     steps, written, read = _memory_of(optimizer, groups)

@@ -143,6 +143,27 @@ def test_an_lr_whose_decay_factor_leaves_float32_is_refused_between_steps(path, 
     assert [opt.state[p]["step"].item() for p in params] == [3, 3]
 
 
+@pytest.mark.parametrize("backend", ["reference", "foreach"])
+@pytest.mark.parametrize("kwargs,culprit", [
+    (dict(lr=1e5), "lr"), (dict(betas=(0.9, 1e5)), r"1 \+ \|beta0\|"),
+    (dict(weight_decay=1e5, decoupled=False), "weight_decay")], ids=["lr", "beta0", "l2"])
+def test_a_factor_past_float16s_range_is_refused_where_float16_parameters_step_in_float16(
+        backend, kwargs, culprit):
+    """The reference and foreach step float16 parameters in float16 torch ops, which raise
+    on such a scalar midway through a step (a float32 group stepped, the float16 one's
+    counter advanced): refused before, naming it; the kernels compute in float32."""
+    params = [torch.nn.Parameter(torch.ones(4)), torch.nn.Parameter(torch.ones(4).half())]
+    opt = PNM(params, backend=backend, **{"lr": 1e-3, **kwargs})
+    for p in params:
+        p.grad = torch.ones_like(p)
+    with pytest.raises(ValueError, match=rf"param_groups\[0\]: {culprit} is .* past float16's"):
+        opt.step()
+    assert all(torch.equal(p, torch.ones_like(p)) for p in params) and not opt.state
+    opt.param_groups[0]["backend"] = "fused"
+    opt.step()  # float32 arithmetic
+    assert all(bool(torch.isfinite(p).all()) for p in params)
+
+
 @cases.parametrize(FAST_PATHS)
 def test_a_hyper_parameter_edited_between_steps_is_validated_again(path, name):
     """A repeated step checks that no hyper-parameter changed since the last one; an edited

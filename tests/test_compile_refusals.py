@@ -108,7 +108,8 @@ def test_a_compiled_step_refuses_bad_state_naming_it_before_any_state_converts(n
     assert all(opt.state[params[0]][key] is value for key, value in first_state.items())
 
 
-@pytest.mark.parametrize("bad", [float("nan"), -1.0], ids=["nan", "negative"])
+# 1e38: within float32, its factor lr / (1 - beta1) not
+@pytest.mark.parametrize("bad", [float("nan"), -1.0, 1e38], ids=["nan", "negative", "factor"])
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
 def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step(backend,
@@ -118,7 +119,7 @@ def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step
     before any group stepped (here the first, whose lr is fine)."""
     torch._dynamo.reset()
     params = [torch.randn(5, requires_grad=True) for _ in range(2)]
-    lrs = [torch.tensor(1e-2), torch.tensor(1e-3)]
+    lrs = [torch.tensor(1e-2), torch.tensor(1e-3, dtype=torch.float64)]
     opt = OPTIMIZERS["AdaPNM"]([dict(params=[p], lr=lr) for p, lr in zip(params, lrs)],
                                backend=backend)
     step = torch.compile(opt.step, backend=compiler)

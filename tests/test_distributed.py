@@ -307,6 +307,32 @@ def _int8_read_through_bf16_worker(rank, name, workdir, port):
                     assert all(torch.equal(p.full_tensor(), q)
                                for p, q in zip(fresh.parameters(), before))
             dist.barrier()
+        # Sharded through DCP, which loads into the bfloat16 state's own tensors: refused,
+        # and each entry written into refuses to step, on every rank; rank 1 holds no rows of
+        # the one int8 weight (its empty shards were written into all the same).
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
+        one_row = _model(torch.int8)[4]
+        _shard(torch.nn.Sequential(one_row))
+        opt = _make_opt(name, one_row.parameters(), state_dtype=torch.int8)
+        _train(one_row, opt, xs, ys[..., :1], range(2), rank)
+        dcp.save({"optim": get_optimizer_state_dict(one_row, opt)},
+                 checkpoint_id=f"{workdir}/sharded")
+        fresh = _model(torch.int8)[4]
+        _shard(torch.nn.Sequential(fresh))
+        fresh_opt = _make_opt(name, fresh.parameters(), state_dtype=torch.bfloat16)
+        loaded = {"optim": get_optimizer_state_dict(fresh, fresh_opt)}
+        dcp.load(loaded, checkpoint_id=f"{workdir}/sharded")
+        for what, call in (("dcp", lambda: set_optimizer_state_dict(fresh, fresh_opt,
+                                                                    loaded["optim"])),
+                           ("dcp-step", lambda: _train(fresh, fresh_opt, xs, ys[..., :1],
+                                                       range(1), rank))):
+            try:
+                call()
+                seen[what] = "done"
+            except (ValueError, RuntimeError) as e:
+                seen[what] = str(e)
+        dist.barrier()
         torch.save(seen, os.path.join(workdir, f"seen{rank}.pt"))
         dist.barrier()
     finally:
@@ -321,7 +347,8 @@ def test_whole_int8_state_read_into_bfloat16_shards_is_refused_on_every_rank(nam
     """A whole (full_state_dict) int8 checkpoint read into an optimizer of bfloat16 state:
     broadcast from rank 0, every rank refuses the load naming the entry (rank 0 alone got
     the scales; the ranks must not part ways); given to every rank, the step refuses the
-    scales put beside the shards whole, naming them."""
+    scales put beside the shards whole, naming them. A sharded one read through DCP: every
+    rank refuses the load, and then the step, a rank of empty shards too."""
     with tempfile.TemporaryDirectory() as workdir:
         mp.spawn(_int8_read_through_bf16_worker, args=(name, workdir, _free_port()),
                  nprocs=WORLD, join=True)
@@ -330,6 +357,8 @@ def test_whole_int8_state_read_into_bfloat16_shards_is_refused_on_every_rank(nam
             assert "yet it was saved holding int8 codes" in seen[True], seen[True]
             assert ("_scale' is a plain tensor where its parameter is a DTensor placed "
                     "[Shard(dim=0)]") in seen[False], seen[False]
+            assert "yet it was saved holding int8 codes" in seen["dcp"], seen["dcp"]
+            assert "a load refused for this optimizer had already written" in seen["dcp-step"]
 
 
 def _resumed_in_one_process(name, state_dtype, workdir):

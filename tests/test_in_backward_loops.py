@@ -23,7 +23,7 @@ _ADDED = r"this backward pass added its gradients to those of the step before"
 _AFTER_STEP = r"a backward pass came after step\(\) before zero_grad\(\)"
 _UNCOUNTED = r"zeroed where no version counts \(`p.grad.data.zero_\(\)`"
 _SKIPPED = r"zero_grad\(\) after a backward pass that no step\(\) followed \(a step skipped\)"
-_HELD = r"added to the gradients the parameters held when step_in_backward\(\) was called"
+_HELD = r"added its gradients to those held when step_in_backward\(\) was called"
 
 # (script, where the step inside backward is refused (None: nowhere), what it says, whether
 # the refusal comes before the event changed anything)
@@ -48,6 +48,7 @@ LOOPS = {
     # the probe would see one pass of the loop's two a step
     "enabled-between-two-passes-of-a-step": ("ZBEBS" + "ZBBS" * 2, 4, _HELD, True),
     "enabled-after-step-never-zeroed": ("BSE" + "BS" * 3, 4, _HELD, True),
+    "enabled-after-step-zeroed-through-data": ("BSEd" + "BSd" * 3, 5, _UNCOUNTED, True),
 }
 
 
@@ -200,3 +201,15 @@ def test_a_gan_loop_steps_in_backward_with_the_discriminator_frozen_for_the_gene
     ordinary, (ordinary_g, ordinary_d) = _gan_loop(False, freeze_during_generator_pass=True)
     assert_same_bits(ordinary_g, ordinary[:2], opt_g, params[:2])
     assert_same_bits(ordinary_d, ordinary[2:], opt_d, params[2:])
+
+
+def test_step_in_backward_takes_meta_parameters_holding_gradients():
+    """Gradients held when it is called are read (whether all zero) only where they hold
+    data: a model built on the meta device, as before materialising it, is taken."""
+    with torch.device("meta"):
+        model = torch.nn.Linear(4, 3)
+    for p in model.parameters():
+        p.grad = torch.empty_like(p)
+    opt = OPTIMIZERS["AdaPNM"](model.parameters())
+    handle = opt.step_in_backward()
+    handle.remove()

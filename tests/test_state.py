@@ -172,6 +172,18 @@ def test_a_never_stepped_optimizers_groups_are_refused_unless_a_pre_hook_convert
     assert opt.param_groups[0]["lr"] == 0.01 and not opt.state
 
 
+def test_a_pnm_group_holding_a_users_own_eps_round_trips():
+    """Keys of the user's own in a group are carried along: an eps in PNM's groups is one
+    (only another optimizer's groups, without this optimizer's keys, are refused for it)."""
+    params = make_params([(4,)])
+    opt = PNM(params, lr=0.05)
+    opt.param_groups[0]["eps"] = 1e-8
+    train(opt, params, 2)
+    fresh = PNM(clone_params(params), lr=0.05)
+    fresh.load_state_dict(opt.state_dict())
+    assert fresh.param_groups[0]["eps"] == 1e-8
+
+
 @cases.parametrize(FAST_PATHS)
 def test_a_users_own_key_may_hold_a_tensor_without_storage(path, name):
     """A sparse tensor beside the buffers (only the keys a step reads are checked or
