@@ -17,13 +17,18 @@ def describe(param, gi, pi) -> str:
     return f"param_groups[{gi}]['params'][{pi}] ({shape}, {param.dtype}, {param.device})"
 
 
+_PLAIN = (torch.Tensor, torch.nn.Parameter)
+
+
 def check_param(param, gi, pi) -> None:
     """Raises, naming the parameter, if it or its gradient cannot step."""
     grad = param.grad
     for what, t in (("", param), ("'s gradient", grad)):
+        # (the subclass test first only where it can hold: it costs a microsecond a tensor)
         kind = ("a nested tensor" if t.is_nested else
                 f"a {type(t).__name__}, a tensor subclass wrapping other tensors"
-                if is_traceable_wrapper_subclass(t) and not is_dtensor(t) else None)
+                if type(t) not in _PLAIN and is_traceable_wrapper_subclass(t)
+                and not is_dtensor(t) else None)
         if kind:
             raise RuntimeError(f"{describe(param, gi, pi)}{what} is {kind}: not supported (the "
                                "steps take plain tensors' memory, or a DTensor's shard)")
