@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# One call on a lent GPU machine (see the device tool's README): build for the chip, run the
+# One call on a lent GPU machine (docs/testing.md, "On a lent GPU"; its image has pytest-xdist
+# and pytest-timeout): build for the chip, run the
 # test suite on CUDA tensors, the benchmarks, Triton launch configurations
 # (benchmarks/experiments/tune_triton.py), compute-sanitizer memcheck on a small step and the GPT/FSDP2
 # example. Every stage has a time limit inside one overall deadline, so the call always ends

@@ -2,8 +2,9 @@
 correct.
 
 This is the ground truth every faster backend is compared with. It follows the authors' code
-operation by operation, with docs/design.md's two deliberate differences: L2 weight decay never
-writes into ``p.grad`` and ``maximize`` exists. Complex parameters are passed in as real views.
+operation by operation, with docs/design.md's three deliberate differences: L2 weight decay
+never writes into ``p.grad``, ``maximize`` exists, and complex parameters are passed in as real
+views.
 
 State in a dtype of its own (``state_dtype``) and bfloat16 parameters rounded stochastically
 (``bf16_stochastic_round``), docs/design.md §7: the step runs in float32 on float32 copies of

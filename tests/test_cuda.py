@@ -61,7 +61,7 @@ def test_cuda_graph_capture_of_a_training_step_matches_eager(backend, name, set_
 def test_a_host_reading_backend_refuses_a_cuda_graph_capture(backend):
     """backend="foreach" and "reference" read each step count on the host: captured, the
     step raises saying so before it issues any work, and the parameters and state stay as
-    they were (tests/test_optimizer_api.py simulates this on the CPU)."""
+    they were (tests/test_bad_input.py simulates this on the CPU)."""
     params = make_params([(64,), (3,)], device="cuda")
     opt = OPTIMIZERS["AdaPNM"](params, lr=1e-3, backend=backend)
     train(opt, params, 2)

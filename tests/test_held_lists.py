@@ -125,7 +125,7 @@ def test_state_the_optimizer_let_go_of_is_freed(path, name, how):
 
 @cases.parametrize(KERNEL_PATHS)
 def test_a_scheduled_lr_keeps_the_repeated_step(path, name, monkeypatch):
-    """The repeated fused or Triton step (no planning; see _repeat_step) survives a new lr or beta1
+    """The repeated fused or Triton step (no planning; see pnm_kernels/repeat.py) survives a new lr or beta1
     every step, as schedulers give: only a change of backend or of the buffers a group
     needs (AMSGrad switched) makes the next step plan again."""
     params = make_params([(50,), (3, 3), (7,), (4,)])
@@ -157,7 +157,7 @@ def _mixed_dtype_params(seed=0):
 @cases.parametrize(KERNEL_PATHS)
 def test_a_group_of_several_dtypes_repeats_its_steps(path, name, skip_every, monkeypatch):
     """A param group whose parameters have several dtypes (a bf16 model with fp32 norms) is
-    one batch per dtype; its steps repeat too (no planning; see _repeat_step), also when
+    one batch per dtype; its steps repeat too (no planning; see pnm_kernels/repeat.py), also when
     some parameters lack a gradient (the fused step then holds every parameter with state;
     here every dtype keeps one with a gradient in each group), and give bit for bit what
     steps planned afresh every time give."""
@@ -188,7 +188,7 @@ def _dense_odd_layout_steps(name, path, repeat, monkeypatch):
     """Ten steps over channels_last and transposed parameters (with a contiguous one), the
     gradients laid out like them, as autograd lays them out, but for step 5, where each
     gradient is given contiguous by hand. Returns the optimizer, its parameters and which
-    steps repeated the last one (see _repeat_step)."""
+    steps repeated the last one (see pnm_kernels/repeat.py)."""
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(3, 4, 2, 5, generator=gen).to(memory_format=torch.channels_last),
                torch.randn(7, 6, generator=gen).t(), torch.randn(9, generator=gen)]
@@ -207,7 +207,7 @@ def _dense_odd_layout_steps(name, path, repeat, monkeypatch):
 @cases.parametrize(KERNEL_PATHS)
 def test_dense_parameters_of_other_layouts_repeat_their_steps(path, name, monkeypatch):
     """channels_last and transposed parameters (dense, not contiguous) are held like
-    contiguous ones: their steps repeat (no planning; see _repeat_step); a step whose
+    contiguous ones: their steps repeat (no planning; see pnm_kernels/repeat.py); a step whose
     gradients are laid out unlike them is planned (and copied into their layout), and the
     steps give bit for bit what steps planned afresh every time give, and the reference's."""
     opt, params, repeated = _dense_odd_layout_steps(name, path, True, monkeypatch)

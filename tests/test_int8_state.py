@@ -1,6 +1,8 @@
 """state_dtype=torch.int8 (pnm_kernels/quantization.py, docs/design.md §8): block-wise codes
-with one float32 scale per block, written with stochastic rounding. Every path that keeps it
-gives the reference's parameters, codes and scales bitwise; the codes are unbiased; blocks
+with one float32 scale per block, written with stochastic rounding. foreach gives the
+reference's parameters, codes and scales bitwise, the kernels (fused, emulated CUDA, Triton)
+the same to rounding (a code one step away in at most one element in a thousand); the codes
+are unbiased; blocks
 lie within dim-0 rows, so sharded parameters quantise as whole ones; the state travels in a
 plain state_dict, converts to and from other state dtypes, and what does not fit is refused
 naming it before anything is touched. (Training as well as float32 state, the drift test and
