@@ -49,9 +49,11 @@ inline bool buffer_fits(const at::Tensor& b, const at::Tensor& p) {
          b.sizes().equals(p.sizes()) && dense_like(b, p);
 }
 
-// A held step counter is still what the kernels read and write (what check_call asks of it).
+// A held step counter is still what the kernels read and write (what check_call asks of it),
+// of shape () as the planned step leaves every counter (a one-element one of another shape,
+// given by hand through .data, is put back in that shape there: counters.as_step).
 inline bool counter_fits(const at::Tensor& s, const at::Tensor& p) {
-  return s.defined() && s.scalar_type() == at::kDouble && s.numel() == 1 &&
+  return s.defined() && s.scalar_type() == at::kDouble && s.dim() == 0 &&
          s.device() == p.device() && counts_whole_steps(s);
 }
 

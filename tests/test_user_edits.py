@@ -99,16 +99,24 @@ def test_a_buffer_given_new_data_is_converted_and_stepped_in_every_group(path, n
         _step_both(fast, params, ref, ref_params, t)
 
 
+# New data for a counter at 3, from the counter's own: new tensors, or its own memory seen
+# through one dimension (the held lists' memory unchanged).
+NEW_COUNTER = {"int64": lambda _: torch.tensor(3), "1-d": lambda _: torch.tensor([3.0]),
+               "float64": lambda _: torch.tensor(3.0, dtype=torch.float64),
+               "1-d-view-of-itself": lambda counter: counter.reshape(1)}
+
+
 @cases.parametrize(FAST_PATHS)
-@pytest.mark.parametrize("counter", [torch.tensor(3), torch.tensor(3.0, dtype=torch.float64),
-                                     torch.tensor([3.0])], ids=["int64", "float64", "1-d"])
+@pytest.mark.parametrize("counter", NEW_COUNTER)
 def test_a_step_counter_given_new_data_is_converted_and_counts_on(path, name, counter):
+    """Counted on as the reference counts, in the shape () it leaves every counter in."""
     fast, params, ref, ref_params = _side_by_side(
         name, path, [(6,), (8, 4)], groups=[dict(params=[0]), dict(params=[1], lr=0.05)])
     for t in range(3):
         _step_both(fast, params, ref, ref_params, t)
     for opt, ps in ((fast, params), (ref, ref_params)):
-        opt.state[ps[1]]["step"].data = counter.clone()
+        step = opt.state[ps[1]]["step"]
+        step.data = NEW_COUNTER[counter](step.data)
     for t in range(3, 6):
         for ps in (params, ref_params):
             for p, g in zip(ps, grads_for_step(ps, t)):
@@ -118,6 +126,7 @@ def test_a_step_counter_given_new_data_is_converted_and_counts_on(path, name, co
         for a, b in zip(params, ref_params):
             torch.testing.assert_close(a.detach(), b.detach())
         assert fast.state[params[1]]["step"].item() == ref.state[ref_params[1]]["step"].item()
+        assert fast.state[params[1]]["step"].shape == ref.state[ref_params[1]]["step"].shape
 
 
 @cases.parametrize(FAST_PATHS)

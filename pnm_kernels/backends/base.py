@@ -159,10 +159,11 @@ def step_lists(batch: Batch):
 
 
 def counter_fits(step, device: torch.device) -> bool:
-    """A step counter the kernels can read and write: one element of STEP_DTYPE on the
-    parameters' device, counting whole steps (counts_whole_steps)."""
+    """A held step counter the kernels can read and write: STEP_DTYPE of shape () (as the
+    planned step leaves every counter: counters.as_step) on the parameters' device, counting
+    whole steps (counts_whole_steps)."""
     return (isinstance(step, torch.Tensor) and step.dtype == STEP_DTYPE
-            and step.device == device and step.numel() == 1 and counts_whole_steps(step))
+            and step.device == device and step.dim() == 0 and counts_whole_steps(step))
 
 
 def counts_whole_steps(step: torch.Tensor) -> bool:
