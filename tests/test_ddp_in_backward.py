@@ -18,8 +18,8 @@ from conftest import FAST_PATHS
 from internals import record_bucket_steps
 from pnm_kernels import PNM, AdaPNM, available_backends
 # one_rank: the fixture, used by name
-from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS, _data, _free_port,  # noqa: F401
-                              _model, one_rank)
+from test_distributed import OPTIMIZERS, STEPS, _data, _free_port, _model
+from test_one_rank_distributed import ONE_RANK_DEVICE, one_rank  # noqa: F401
 from test_in_backward_failed_passes import _FailsInBackward
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")

@@ -12,8 +12,9 @@ import torch.distributed as dist
 from conftest import FAST_PATHS
 from pnm_kernels import PNM, available_backends
 # one_rank: the fixture, used by name
-from test_distributed import (ONE_RANK_DEVICE, OPTIMIZERS, STEPS,  # noqa: F401
-                              _one_rank_model, needs_one_rank_fsdp2, one_rank)
+from test_distributed import OPTIMIZERS, STEPS
+from test_one_rank_distributed import (ONE_RANK_DEVICE, _one_rank_model,  # noqa: F401
+                                       needs_one_rank_fsdp2, one_rank)
 
 pytestmark = pytest.mark.skipif(not dist.is_available(), reason="torch without distributed")
 
