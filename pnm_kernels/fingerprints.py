@@ -96,3 +96,8 @@ def any_nonzero(params) -> list:
 
 _ADDED = ("this backward pass added its gradients to those {}, as no zero_grad() came "
           "between")
+
+# The probe's first pass added to gradients held when step_in_backward() was called (how).
+ADDED_TO_HELD = ("{}: the probe cannot tell the loop's passes a step (nothing was stepped; "
+                 "call step_in_backward() right after zero_grad(), or after step() in a loop "
+                 "that calls zero_grad() before its next pass)")

@@ -21,7 +21,7 @@ import weakref
 import torch
 
 from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by, refuse_ddp
-from .fingerprints import (added_to_the_probes, any_nonzero, fingerprint,
+from .fingerprints import (ADDED_TO_HELD, added_to_the_probes, any_nonzero, fingerprint,
                            refuse_changed_at_the_probe)
 from .in_backward_freed import FreedGradients
 from .in_backward_hypers import CHANGED, HypersAtBackward
@@ -370,7 +370,8 @@ class StepInBackward:
         if closure is not None:
             self._seen = {}
             raise RuntimeError("step_in_backward: step(closure) would run backward again, which "
-                               "steps inside it already; call backward, then step()")
+                               "steps inside it already; call backward, then step() (where a "
+                               "framework always passes one, as Lightning: the ordinary step)")
         if scaling.grad_scale is not None or scaling.found_inf is not None:
             self._seen = {}
             for name in ("grad_scale", "found_inf"):  # GradScaler drops them only after a step
@@ -429,7 +430,7 @@ class StepInBackward:
         if changed is not None:
             raise RuntimeError(CHANGED.format(changed, "nothing was stepped"))
         if self._added_to_held:
-            raise RuntimeError(_TWICE.format(_ADDED_TO_HELD.format(self._added_to_held)))
+            raise RuntimeError(_TWICE.format(ADDED_TO_HELD.format(self._added_to_held)))
         for p, passes, _, _ in seen.values():
             if passes > 1:
                 raise RuntimeError(_TWICE.format(
@@ -479,10 +480,6 @@ _TWICE = ("step_in_backward: {} (a parameter steps once, with its "
           "run all but the last inside `with handle.accumulating():`; a parameter reached in "
           "two reentrant checkpoint segments (or inside one and outside it) gets one gradient "
           "from each nested backward pass: checkpoint with use_reentrant=False")
-
-_ADDED_TO_HELD = ("{}: the probe cannot tell the loop's passes a step (nothing was stepped; "
-                  "call step_in_backward() right after zero_grad(), or after step() in a loop "
-                  "that calls zero_grad() before its next pass)")
 
 _AFTER_STEP = "a pass after step(), DDP's, or once the loop zeroed through the model"
 

@@ -3,6 +3,7 @@ over: under torch.compile the traced step (traced.py); else the last step repeat
 lists held in C++ (repeat.py) where nothing it depends on changed; else a planned step
 (plan.py), which checks everything before any backend touches a tensor."""
 import contextlib
+import weakref
 from collections import OrderedDict
 from typing import Optional
 
@@ -60,6 +61,9 @@ class _PositiveNegativeMomentum(Optimizer):
         # The StepInBackward handle while the step runs in backward.
         self._in_backward: Optional[StepInBackward] = None
         self._repeat = RepeatedStep()
+        # This optimizer, as a wrapper that copies its __dict__ (Lightning's
+        # LightningOptimizer, whose step() calls it) finds it: step_in_backward.
+        self._wrapped = weakref.ref(self)
 
     def __setstate__(self, state):
         super().__setstate__(state)
@@ -230,15 +234,21 @@ class _PositiveNegativeMomentum(Optimizer):
         refused (the step would come before the all-reduce).
 
         Returns the handle: ``handle.remove()``, or ``with opt.step_in_backward(): ...``,
-        restores the ordinary step (``opt.step_in_backward_handle`` gives it again).
+        restores the ordinary step (``opt.step_in_backward_handle`` gives it again). Called on
+        a wrapper that copied this optimizer's ``__dict__`` (Lightning's), the handle is the
+        wrapped optimizer's, whose step() the wrapper calls.
         """
+        wrapped = getattr(self, "_wrapped", lambda: None)()
+        if wrapped is not None and wrapped is not self:
+            return wrapped.step_in_backward(bucket_mib, ddp)
         return StepInBackward(self, bucket_mib, ddp)
 
     @property
     def step_in_backward_handle(self) -> Optional[StepInBackward]:
         """The handle of ``step_in_backward()`` while this optimizer steps inside backward
         (None otherwise), to ``remove()`` where the returned one was not kept."""
-        return self._in_backward
+        wrapped = getattr(self, "_wrapped", lambda: None)()
+        return (wrapped if wrapped is not None else self)._in_backward
 
     @torch.no_grad()
     def _step_only(self, params, first_of_pass: bool = False) -> None:

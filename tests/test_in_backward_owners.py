@@ -171,6 +171,44 @@ def test_a_wrapper_sharing_the_param_groups_of_an_optimizer_stepping_in_backward
     _assert_same(*runs[0], *runs[1])
 
 
+class _DictCopyingWrapper:
+    """A wrapper made a subclass of the optimizer's class, holding a copy of its __dict__,
+    whose step() calls the optimizer's (Lightning's LightningOptimizer)."""
+
+    def __init__(self, optimizer):
+        self.__class__ = type(f"Wrapped{type(optimizer).__name__}",
+                              (type(self), type(optimizer)), {})
+        self.__dict__ = {k: v for k, v in optimizer.__dict__.items() if k != "step"}
+        self.optimizer = optimizer
+
+    def step(self, closure=None):
+        return self.optimizer.step(closure)
+
+
+def test_step_in_backward_called_on_a_wrapper_copying_the_optimizers_dict_is_the_optimizers():
+    """Its hooks would report to the wrapper while the optimizer steps (the handle stayed in
+    its probe: nothing stepped inside backward, no gradient freed, nothing said): the handle
+    is the wrapped optimizer's; the ordinary loop's bits, gradients freed past the probe."""
+    runs = []
+    for in_backward in (True, False):
+        model = _model()
+        opt = AdaPNM(model.parameters(), lr=1e-2)
+        wrapper = _DictCopyingWrapper(opt)
+        if in_backward:
+            handle = wrapper.step_in_backward(bucket_mib=1e-6)
+            assert opt.step_in_backward_handle is handle
+            assert wrapper.step_in_backward_handle is handle
+        _train(model, wrapper, _batches(3))
+        if in_backward:
+            model(_batches(1)[0]).pow(2).mean().backward()
+            assert all(p.grad is None for p in model.parameters())
+            wrapper.step()
+        else:
+            _train(model, wrapper, _batches(1))
+        runs.append((model, opt))
+    _assert_same(*runs[0], *runs[1])
+
+
 def test_an_optimizer_built_over_the_param_groups_of_one_stepping_in_backward_is_refused():
     """Built over the same group dicts (`SGD(opt.param_groups)`), it is another optimizer
     (its own param_groups list), whose step would find the gradients freed: refused."""
