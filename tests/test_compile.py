@@ -319,3 +319,22 @@ def test_a_compiled_step_gives_what_eager_gives_with_every_backend(name, backend
             step()
         runs.append((opt, params))
     assert_states_close(*runs[1], *runs[0])
+
+
+@pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
+def test_the_reference_compiled_by_inductor_writes_stochastic_bfloat16_as_eager(name):
+    """The reference runs eagerly inside a compiled step: traced, its step count became a
+    symbol from the second step, and inductor compiled the random bits' integer hash as
+    float ops, failing midway through the step (parameter and counter moved, momentum not)."""
+    torch._dynamo.reset()
+    runs = []
+    for compiled in (False, True):
+        torch.manual_seed(0)
+        params = [torch.randn(64, requires_grad=True)]
+        opt = OPTIMIZERS[name](params, lr=1e-2, backend="reference", state_dtype=torch.bfloat16)
+        step = torch.compile(opt.step) if compiled else opt.step
+        for t in range(3):
+            params[0].grad = torch.randn(64, generator=torch.Generator().manual_seed(t))
+            step()
+        runs.append((opt, params))
+    assert_states_close(*runs[1], *runs[0], rtol=0, atol=0)

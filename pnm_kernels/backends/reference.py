@@ -20,6 +20,10 @@ class ReferenceBackend:
     holds_lists = False
     reads_host = True
 
+    # Run eagerly under torch.compile (a graph break, as its host reads make one anyway):
+    # traced, the step count it reads became a symbol, and inductor compiled the random bits'
+    # integer hash as float ops and failed midway through a step.
+    @torch._dynamo.disable
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         if skip_step(scaling.found_inf):
             return
