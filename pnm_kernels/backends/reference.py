@@ -14,17 +14,29 @@ def skip_step(found_inf: Optional[torch.Tensor]) -> bool:
     return found_inf is not None and bool(found_inf.item())
 
 
+# Under torch.compile the reference runs eagerly (a graph break, as its host reads make one
+# anyway): traced, the step count it reads became a symbol, and inductor compiled the random
+# bits' integer hash as float ops and failed midway through a step. torch's lazy form of
+# torch._dynamo.disable: importing dynamo would make `import pnm_kernels` slow.
+@torch._disable_dynamo
+def _untraced_step(backend: "ReferenceBackend", batch: Batch, hyper: Hyper,
+                   scaling: Scaling) -> None:
+    backend._step(batch, hyper, scaling)
+
+
 class ReferenceBackend:
     name = "reference"
     flat = False
     holds_lists = False
     reads_host = True
 
-    # Run eagerly under torch.compile (a graph break, as its host reads make one anyway):
-    # traced, the step count it reads became a symbol, and inductor compiled the random bits'
-    # integer hash as float ops and failed midway through a step.
-    @torch._dynamo.disable
     def step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
+        if torch.compiler.is_compiling():
+            _untraced_step(self, batch, hyper, scaling)
+        else:
+            self._step(batch, hyper, scaling)
+
+    def _step(self, batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
         if skip_step(scaling.found_inf):
             return
         if batch.params[0].device.type == "meta":  # no values to compute, as foreach's
