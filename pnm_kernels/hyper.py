@@ -316,6 +316,7 @@ def _rows_whole(param) -> bool:
 
 
 __all__ = ["Hyper", "Coefficients", "coefficients", "validate_group", "validate_lr",
-           "assert_lr_in_graph", "lr_bound", "check_float16_factors", "signature", "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
+           "assert_lr_in_graph", "lr_bound", "check_float16_factors", "signature",
+           "noise_norm", "BACKEND_NAMES", "PNM_KEYS", "ADAPNM_KEYS",
            "STATE_DTYPES", "check_state_dtype", "check_sharding",
            "steps_in_float32", "needs_seed"]
