@@ -364,14 +364,8 @@ class StepInBackward:
 
     # -- optimizer.step() --------------------------------------------------------------------
 
-    def before_step(self, closure, scaling) -> bool:
-        """What optimizer.step() does now: True to run the ordinary step (the probe, or
-        gradients that no hook consumed), having refused what cannot be applied."""
-        if closure is not None:
-            self._seen = {}
-            raise RuntimeError("step_in_backward: step(closure) would run backward again, which "
-                               "steps inside it already; call backward, then step() (where a "
-                               "framework always passes one, as Lightning: the ordinary step)")
+    def refuse_scaling(self, scaling) -> None:
+        """GradScaler's scale or inf flag given to step(): refused (also before a closure)."""
         if scaling.grad_scale is not None or scaling.found_inf is not None:
             self._seen = {}
             for name in ("grad_scale", "found_inf"):  # GradScaler drops them only after a step
@@ -380,6 +374,12 @@ class StepInBackward:
                 "step_in_backward does not work with torch.amp.GradScaler: an inf found in one "
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
+
+    def before_step(self, scaling) -> bool:
+        """What optimizer.step() does now, after its closure if it has one: True to run the
+        ordinary step (the probe, or gradients that no hook consumed), having refused what
+        cannot be applied."""
+        self.refuse_scaling(scaling)
         if self._loaded_after_failure and not self._probing:
             raise RuntimeError(
                 "step_in_backward: step() after a backward pass that failed midway and a "

@@ -177,9 +177,15 @@ class _PositiveNegativeMomentum(Optimizer):
         handle = self._in_backward
         if handle is None:
             return self._step(closure, scaling)
-        handle.before_step(closure, scaling)  # refuses what a step in backward cannot apply
+        loss = None
+        if closure is not None:  # Lightning's: its backward steps inside, step() then finishes
+            handle.refuse_scaling(scaling)  # before the closure's backward steps anything
+            with torch.enable_grad():
+                loss = closure()
+        handle.before_step(scaling)  # refuses what a step in backward cannot apply
         try:
-            return self._step(closure, scaling)
+            self._step(None, scaling)
+            return loss
         finally:
             handle.after_step()
 
@@ -225,7 +231,8 @@ class _PositiveNegativeMomentum(Optimizer):
         and step (clipping), hyper-parameters set between them (a scheduler stepped before
         ``step()``), several backward passes a step (accumulate inside
         ``handle.accumulating()`` instead). Afterwards ``optimizer.step()`` and
-        ``zero_grad()`` in the training loop are harmless (nothing is left to step).
+        ``zero_grad()`` in the training loop are harmless (nothing is left to step);
+        ``step(closure)`` (Lightning's) runs the closure, whose backward steps, then finishes.
         FSDP2's sharded parameters step once their gradients are reduce-scattered. Under
         DDP pass the model (``ddp=model``, or a list of models): its parameters then step in
         DDP's communication hook, each of DDP's buckets once its all-reduce is done (DDP's

@@ -11,7 +11,8 @@ model's in a loop that zeroes through the model, or once in a while the other wa
 before the pass (BEFORE_PASS: a pass that fails before any gradient or midway, its batch
 skipped, maybe a checkpoint loaded; a pass scaled by GradScaler); micro-batches, all but the
 last inside `handle.accumulating()`, that skip layers at random; an event between backward
-and step() (BETWEEN_BACKWARD_AND_STEP); step(), maybe step() again, the LR scheduler. At the
+and step() (BETWEEN_BACKWARD_AND_STEP); step() or step(closure) with a closure running no
+pass, maybe again, the LR scheduler. At the
 end the handle is removed and one ordinary iteration follows.
 
 Promised: after each iteration both hold the same parameters and state, bit for bit. Each
@@ -199,7 +200,9 @@ class Loop:
                 raise AssertionError(self.report(f"{what}: {e}")) from e
         self.log.append(f"{what} (refused: the model's zero_grad() is not seen)")
         self.check(f"refused {what}", before)
-        self.skip_batch()
+        # as the refusal says: optimizer.zero_grad(), to None (kept zeros would keep the
+        # gradients the model's unseen zeroing dropped, which the ordinary loop has not)
+        self.skip_batch(to_none=True)
         return True
 
     def zero_grad(self):
@@ -216,26 +219,27 @@ class Loop:
             self.optimizer_zeroed, self.zero_filled = True, not self.set_to_none
         self.flipped = False
 
-    def skip_batch(self, through_model=False, failed=None):
-        """A failed or refused pass's batch skipped by zero_grad(). The one warning allowed
-        says that buckets stepped before a failure stay stepped; then (and where the model's
-        zero_grad() leaves them unsaid) the ordinary side takes them over."""
+    def skip_batch(self, through_model=False, failed=None, to_none=None):
+        """A failed or refused pass's batch skipped by zero_grad() (to None, or as the loop
+        zeroes). The one warning allowed says that buckets stepped before a failure stay
+        stepped; then (and where the model's zero_grad() leaves them unsaid) the ordinary
+        side takes them over."""
+        to_none = self.set_to_none if to_none is None else to_none
         if through_model:
             self.both("model.zero_grad() (batch skipped)", lambda s: s.model.zero_grad())
             self.unseen = True
             stepped = bool(_differences(self.A.snapshot(), self.B.snapshot()))
             self.failure_unsaid |= stepped
         else:
-            self.log.append(f"zero_grad(set_to_none={self.set_to_none}) (batch skipped)")
-            self.A.opt.zero_grad(set_to_none=self.set_to_none)
+            self.log.append(f"zero_grad(set_to_none={to_none}) (batch skipped)")
+            self.A.opt.zero_grad(set_to_none=to_none)
             with warnings.catch_warnings(record=True) as said:
                 warnings.simplefilter("always")
-                self.B.opt.zero_grad(set_to_none=self.set_to_none)
+                self.B.opt.zero_grad(set_to_none=to_none)
             said = [str(w.message) for w in said]
             assert all("failed midway: the buckets it stepped" in w for w in said), \
                 self.report(f"zero_grad() warned {said}")
-            stepped, self.optimizer_zeroed, self.zero_filled = (bool(said), True,
-                                                                not self.set_to_none)
+            stepped, self.optimizer_zeroed, self.zero_filled = bool(said), True, not to_none
         assert not (stepped and failed == "early"), self.report("stepped with no gradient")
         if stepped:
             self.log.append("  (stepped before failing, stays stepped: A takes B's)")
@@ -359,8 +363,6 @@ BETWEEN_STEPS = {
     "parameter clamped": _on_a_parameter("clamped", _clamped),
     "state replaced": _on_a_parameter("state replaced", _state_replaced),
     "moved to the next group": _on_a_parameter("moved", _moved_to_the_next_group, NAMES[1:]),
-    "step(closure)": lambda L: L.attached() and L.refused(
-        "step(closure)", lambda s: s.opt.step(lambda: None), r"step\(closure\)"),
     "set_to_none switched": _set_to_none_switched,
     "zeroed the other way": lambda L: setattr(L, "flipped", True),
 }
@@ -448,15 +450,18 @@ def _iteration(L, t):
     if done is True:
         return L.check("the event between backward and step")
     probing = L.probing() or not L.attached()
-    L.log.append("step()")
-    if L.unseen_refused("step()", lambda s: s.opt.step()):  # the probe's
+    # step(closure) with a closure that runs no pass is step(): its closure runs first
+    what, step = L.rng.choice([("step()", lambda s: s.opt.step())] * 3 + [
+        ("step(closure)", lambda s: s.opt.step(lambda: None))])
+    L.log.append(what)
+    if L.unseen_refused(what, step):  # the probe's
         return
-    L.A.opt.step()
+    step(L.A)
     if L.rng.random() < 0.1 and done != "removed":  # after remove(), §9: not seen
         if probing:
-            L.both("step() again", lambda s: s.opt.step())
+            L.both(f"{what} again", step)
         else:
-            L.refused("step() again", lambda s: s.opt.step(), r"step\(\) again with no backward")
+            L.refused(f"{what} again", step, r"step\(\) again with no backward")
     if L.rng.random() < 0.5:
         L.both("scheduler.step()", lambda s: s.scheduler.step())
     L.check(f"the step of iteration {t}")

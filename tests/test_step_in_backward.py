@@ -191,12 +191,83 @@ def test_a_refused_grad_scaler_leaves_no_scale_behind_for_the_ordinary_step():
     _assert_same(model, opt, ordinary, ordinary_opt)
 
 
-def test_a_closure_is_refused():
+def _closure_steps(model, opt, batches, scheduler=None, clip=False):
+    """A framework's loop (Lightning's): step(closure), the closure zeroing, running forward
+    and backward (and clipping, as Lightning does after it) and returning the loss."""
+    losses = []
+    for x in batches:
+        def closure():
+            opt.zero_grad()
+            loss = model(x).float().pow(2).mean()
+            loss.backward()
+            if clip:
+                torch.nn.utils.clip_grad_norm_(model.parameters(), 0.1)
+            return loss
+        losses.append(opt.step(closure))
+        if scheduler is not None:
+            scheduler.step()
+    return losses
+
+
+@parametrize(FAST_PATHS)
+def test_step_with_a_closure_steps_inside_its_backward_bitwise_the_ordinary_step(name, path):
+    """step(closure) runs the closure, whose backward steps the buckets (the gradients freed
+    before the closure returns), then finishes: bitwise the ordinary closure step, the loss
+    returned."""
+    steps = 3 if path == "triton" else 6
+    runs, freed = [], []
+    for in_backward in (False, True):
+        model = _model()
+        opt = OPTIMIZERS[name](model.parameters(), lr=1e-2, weight_decay=0.1, backend=path)
+        scheduler = torch.optim.lr_scheduler.StepLR(opt, step_size=2, gamma=0.5)
+        handle = opt.step_in_backward(bucket_mib=0.05) if in_backward else None
+        losses = _closure_steps(model, opt, _batches(steps), scheduler)
+        if handle is not None:
+            freed.append(all(p.grad is None for p in model.parameters()))
+            handle.remove()
+        runs.append((model, opt, losses))
+    assert freed == [True]
+    assert [x.item() for x in runs[0][2]] == [x.item() for x in runs[1][2]]
+    _assert_same(*runs[0][:2], *runs[1][:2])
+
+
+def test_a_closure_that_clips_is_refused_at_the_probe_nothing_stepped():
+    """Clipping after backward inside the closure (Lightning's gradient_clip_val) changes the
+    gradients the buckets would have stepped with: refused by the probe's step."""
     model = _model()
     opt = PNM(model.parameters(), lr=1e-2)
     opt.step_in_backward()
-    with pytest.raises(RuntimeError, match="closure"):
+    before = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="changed"):
+        _closure_steps(model, opt, _batches(1), clip=True)
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, before[key]), key
+    assert not opt.state
+
+
+def test_a_closure_under_grad_scaler_is_refused_before_it_runs():
+    model = _model()
+    opt = PNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    opt.grad_scale = torch.ones(())  # what GradScaler.step() sets before calling step()
+    ran = []
+    with pytest.raises(RuntimeError, match="GradScaler"):
+        opt.step(lambda: ran.append(1))
+    assert ran == [] and not hasattr(opt, "grad_scale")
+
+
+def test_a_closure_without_backward_after_a_step_is_refused_nothing_stepped_twice():
+    """A closure that only evaluates (no backward) after a step: the ordinary step would
+    step the last gradients again, which stepped inside backward and were freed."""
+    model = _model()
+    opt = AdaPNM(model.parameters(), lr=1e-2)
+    opt.step_in_backward()
+    _closure_steps(model, opt, _batches(3))
+    after = copy.deepcopy(model.state_dict())
+    with pytest.raises(RuntimeError, match="no backward pass since the last one"):
         opt.step(lambda: model(_batches(1)[0]).pow(2).mean())
+    for key, value in model.state_dict().items():
+        assert torch.equal(value, after[key]), key
 
 
 def test_a_checkpoint_saved_in_backward_mode_resumes_in_the_ordinary_one():
