@@ -61,8 +61,8 @@ class _PositiveNegativeMomentum(Optimizer):
         # The StepInBackward handle while the step runs in backward.
         self._in_backward: Optional[StepInBackward] = None
         self._repeat = RepeatedStep()
-        # This optimizer, as a wrapper that copies its __dict__ (Lightning's
-        # LightningOptimizer, whose step() calls it) finds it: step_in_backward.
+        # This optimizer, as a wrapper that copies its __dict__ (older Lightning's
+        # LightningOptimizer, whose step() calls it) finds it: step_in_backward, zero_grad.
         self._wrapped = weakref.ref(self)
 
     def __setstate__(self, state):
@@ -81,8 +81,9 @@ class _PositiveNegativeMomentum(Optimizer):
         # The hooks run where torch runs them around its loading, here around ours: the
         # pre-hooks first (a user's converter of another optimizer's checkpoint is checked
         # as it returns it), the post-hooks once this optimizer's state is final.
-        if self._in_backward is not None:
-            self._in_backward.before_load()
+        handle = self.step_in_backward_handle
+        if handle is not None:
+            handle.before_load()
         state_dict = state_dict.copy()
         for pre_hook in self._optimizer_load_state_dict_pre_hooks.values():
             result = pre_hook(self, state_dict)
@@ -158,7 +159,7 @@ class _PositiveNegativeMomentum(Optimizer):
                         f"{where}['params'][{first[id(tensor)]}]; a parameter may appear "
                         "only once")
                 first[id(tensor)] = i
-        handle = getattr(self, "_in_backward", None)
+        handle = self.step_in_backward_handle
         if handle is not None:  # refused before it is added
             items = [params] if isinstance(params, torch.Tensor) else params or []
             handle.refuse_params((f"{where}['params'][{i}]",
@@ -216,8 +217,9 @@ class _PositiveNegativeMomentum(Optimizer):
         return loss
 
     def zero_grad(self, set_to_none: bool = True) -> None:
-        if self._in_backward is not None:
-            self._in_backward.zeroing(set_to_none)
+        handle = self.step_in_backward_handle  # a wrapper copying __dict__: the optimizer's
+        if handle is not None:
+            handle.zeroing(set_to_none)
         super().zero_grad(set_to_none)
 
     def step_in_backward(self, bucket_mib: float = 25.0, ddp=None) -> StepInBackward:
@@ -255,7 +257,8 @@ class _PositiveNegativeMomentum(Optimizer):
         """The handle of ``step_in_backward()`` while this optimizer steps inside backward
         (None otherwise), to ``remove()`` where the returned one was not kept."""
         wrapped = getattr(self, "_wrapped", lambda: None)()
-        return (wrapped if wrapped is not None else self)._in_backward
+        # (None while __init__ adds the first groups)
+        return getattr(wrapped if wrapped is not None else self, "_in_backward", None)
 
     @torch.no_grad()
     def _step_only(self, params, first_of_pass: bool = False) -> None:

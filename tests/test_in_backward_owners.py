@@ -200,11 +200,32 @@ def test_step_in_backward_called_on_a_wrapper_copying_the_optimizers_dict_is_the
             assert wrapper.step_in_backward_handle is handle
         _train(model, wrapper, _batches(3))
         if in_backward:
+            wrapper.zero_grad()
             model(_batches(1)[0]).pow(2).mean().backward()
             assert all(p.grad is None for p in model.parameters())
             wrapper.step()
         else:
             _train(model, wrapper, _batches(1))
+        runs.append((model, opt))
+    _assert_same(*runs[0], *runs[1])
+
+
+@pytest.mark.parametrize("enabled_on", ["wrapper", "optimizer"])
+def test_zero_grad_through_a_wrapper_copying_the_optimizers_dict_reaches_the_handle(enabled_on):
+    """Enabled after wrapping, the wrapper's copy of __dict__ holds no handle: its zero_grad()
+    (set_to_none=False, the last layer no longer reached: the ordinary step steps it with
+    zeros) tells the optimizer's handle all the same; the ordinary loop's bits."""
+    runs = []
+    for in_backward in (True, False):
+        model = _model()
+        opt = PNM(model.parameters(), lr=1e-2)
+        wrapper = _DictCopyingWrapper(opt)
+        if in_backward:
+            (wrapper if enabled_on == "wrapper" else opt).step_in_backward(bucket_mib=1e-6)
+        for i, x in enumerate(_batches(5)):
+            wrapper.zero_grad(set_to_none=False)
+            (model if i < 2 else model[:3])(x).pow(2).mean().backward()
+            wrapper.step()
         runs.append((model, opt))
     _assert_same(*runs[0], *runs[1])
 
