@@ -375,11 +375,10 @@ class StepInBackward:
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
 
-    def before_step(self, scaling) -> bool:
-        """What optimizer.step() does now, after its closure if it has one: True to run the
-        ordinary step (the probe, or gradients that no hook consumed), having refused what
-        cannot be applied."""
-        self.refuse_scaling(scaling)
+    def before_step(self) -> bool:
+        """What optimizer.step() does now, after refuse_scaling() and its closure if it has
+        one: True to run the ordinary step (the probe, or gradients that no hook consumed),
+        having refused what cannot be applied."""
         if self._loaded_after_failure and not self._probing:
             raise RuntimeError(
                 "step_in_backward: step() after a backward pass that failed midway and a "

@@ -178,12 +178,12 @@ class _PositiveNegativeMomentum(Optimizer):
         handle = self._in_backward
         if handle is None:
             return self._step(closure, scaling)
+        handle.refuse_scaling(scaling)  # before a closure's backward steps anything
         loss = None
         if closure is not None:  # Lightning's: its backward steps inside, step() then finishes
-            handle.refuse_scaling(scaling)  # before the closure's backward steps anything
             with torch.enable_grad():
                 loss = closure()
-        handle.before_step(scaling)  # refuses what a step in backward cannot apply
+        handle.before_step()  # refuses what a step in backward cannot apply
         try:
             self._step(None, scaling)
             return loss
