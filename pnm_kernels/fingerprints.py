@@ -61,8 +61,9 @@ def added_to_the_probes(kept: dict, p, grad, whose: str = "of the step before") 
     to the gradients that step left (`kept`: id -> its parameter, gradient, version; `whose`
     they are, for the message: those held when step_in_backward() was called, at the probe's
     first pass)? Says how, or None. Another parameter's, which this pass has not reached yet,
-    is still the tensor left, unwritten since (zeroing in place writes it); with none other, p's own was written
-    once since, by autograd's in-place sum (a hook of the user's may have written it again)."""
+    is still the tensor left, unwritten since (zeroing in place writes it); with none other,
+    p's own was written once since, by autograd's in-place sum (a hook of the user's may have
+    written it again)."""
     others = [(q(), g(), version) for key, (q, g, version) in kept.items() if key != id(p)]
     others = [(q, g, version) for q, g, version in others if q is not None and g is not None]
     if others:
