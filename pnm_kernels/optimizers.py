@@ -26,6 +26,9 @@ from .state import REFUSED_LOAD, OptimizerState, ParamState, put, tracked
 BACKENDS = BACKEND_NAMES
 # The group keys load_state_dict keeps from the loading optimizer (how it runs).
 _KEPT_ON_LOAD = ("state_dtype", "backend")
+# torch's __setstate__ adds its own flags to the defaults; the step has no use for them, so
+# they stay out of the groups (and of every state_dict a reloaded optimizer saves).
+_TORCH_ADDED_DEFAULTS = ("differentiable",)
 
 
 class _PositiveNegativeMomentum(Optimizer):
@@ -74,7 +77,8 @@ class _PositiveNegativeMomentum(Optimizer):
         self._own_state_dict_hooks()
         for group in self.param_groups:  # groups saved before a key existed get its default
             for key, value in self.defaults.items():
-                group.setdefault(key, value)
+                if key not in _TORCH_ADDED_DEFAULTS:
+                    group.setdefault(key, value)
         saved_codes.hold_key(self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:

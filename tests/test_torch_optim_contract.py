@@ -228,6 +228,22 @@ def test_a_copy_is_independent(name, how):
     assert opt.state[params[0]]["step"].item() == 3
 
 
+@pytest.mark.parametrize("how", ["load_state_dict", "deepcopy", "pickle"])
+@OVER_OPTIMIZERS
+def test_a_reloaded_or_copied_optimizer_saves_the_same_group_keys(name, how):
+    """torch's __setstate__ adds 'differentiable' to the defaults; it is torch's flag (these
+    optimizers have no differentiable step), so it must not appear in the groups."""
+    params = make_params([(4,)])
+    opt = OPTIMIZERS[name](params)
+    train(opt, params, 1)
+    keys = set(opt.state_dict()["param_groups"][0])
+    if how == "load_state_dict":
+        opt.load_state_dict(opt.state_dict())
+    else:
+        opt = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
+    assert set(opt.state_dict()["param_groups"][0]) == keys
+
+
 @OVER_OPTIMIZERS
 def test_extra_group_keys_including_tensors_are_carried_along(name):
     params = make_params([(4,)])
