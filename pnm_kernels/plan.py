@@ -189,7 +189,9 @@ def group_batches(group, gi, indices):
                                                            p.dtype),
                                           int8=group["state_dtype"] == torch.int8)
             except (RuntimeError, ValueError) as e:
-                raise type(e)(f"{describe(p, gi, pi)}: {e}") from None
+                # The backends name the dtype they step: a complex one's real view.
+                view = f" ({p.dtype} steps as its real view, {real})" if p.is_complex() else ""
+                raise type(e)(f"{describe(p, gi, pi)}: {e}{view}") from None
             batches[key] = (backend, [], [True])
         batches[key][1].append(pi)
         if not is_plain(p) or type(p.grad) is not torch.Tensor:

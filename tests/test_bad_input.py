@@ -389,6 +389,14 @@ def test_unsupported_dtype_for_a_kernel_backend_names_the_parameter(backend):
         with pytest.raises(RuntimeError, match=rf"params'\]\[0\].*{dtype}.*unavailable"):
             opt.step()
         assert not opt.state
+    if backend == "triton":  # a complex128 parameter steps as its float64 real view
+        p = torch.zeros(3, dtype=torch.complex128, requires_grad=True)
+        opt = PNM([p], backend=backend)
+        p.grad = torch.ones_like(p)
+        with pytest.raises(RuntimeError, match=r"params'\]\[0\].*complex128 steps as its "
+                                               r"real view, torch.float64"):
+            opt.step()
+        assert not opt.state
     p = torch.zeros(3, dtype=torch.float8_e4m3fn, requires_grad=True)
     opt = PNM([p])
     p.grad = torch.ones(3).to(p.dtype)
