@@ -375,10 +375,10 @@ class StepInBackward:
                 "bucket's gradients cannot undo the buckets stepped before it. Train with "
                 "bfloat16 autocast (no loss scaling needed), or use the ordinary step")
 
-    def before_step(self) -> bool:
+    def before_step(self) -> None:
         """What optimizer.step() does now, after refuse_scaling() and its closure if it has
-        one: True to run the ordinary step (the probe, or gradients that no hook consumed),
-        having refused what cannot be applied."""
+        one, before the ordinary step (the probe, or gradients that no hook consumed) runs:
+        refuses what cannot be applied."""
         if self._loaded_after_failure and not self._probing:
             raise RuntimeError(
                 "step_in_backward: step() after a backward pass that failed midway and a "
@@ -419,13 +419,13 @@ class StepInBackward:
                 self.reduced_steps.before_step()
             self._pass_stepped = False
             self._hypers.forget()  # noted by the steps just above, not in backward
-            return True  # steps only what still has a gradient (none, in the usual loop)
+            return  # the ordinary step steps what still has a gradient (none, usually)
         if self.reduced_steps is not None:
             self.reduced_steps.probed()  # the sums of the gradients DDP reduced
         seen, self._seen = self._seen, {}  # a refused probe is retried afresh (zero_grad())
         param_bits, self._param_bits = self._param_bits, {}
         if not seen:  # no backward pass before this step (a step before training, DCP's
-            return True  # state initialisation): the probe is the next one
+            return  # state initialisation): the probe is the next one
         if changed is not None:
             raise RuntimeError(CHANGED.format(changed, "nothing was stepped"))
         if self._added_to_held:
@@ -442,7 +442,6 @@ class StepInBackward:
         self._stepped_since_zeroing = True
         self._probe_grads = {id(p): (weakref.ref(p), weakref.ref(p.grad), p.grad._version)
                              for p in params if p.grad is not None}
-        return True
 
     def _refuse_given_again(self, nothing_done: str) -> None:
         """A gradient set by hand between backward and step() for a parameter that stepped
