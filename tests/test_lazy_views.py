@@ -1,7 +1,8 @@
 """Lazy negative views (what `z.conj().imag` of a complex tensor gives: -t read through the
 negative bit) given after steps to a parameter, a gradient, a state buffer or the lr: each
 is refused naming it before anything is touched, with the compiled extension and without
-(the kernels read memory, not values: docs/design.md §5)."""
+(the kernels read memory, not values: docs/edits.md, "Lazy negative and conjugate
+views")."""
 import pytest
 import torch
 
