@@ -20,7 +20,8 @@ import weakref
 
 import torch
 
-from .in_backward_ddp import ReducedBuckets, ReducedSteps, managed_by, refuse_ddp
+from .in_backward_ddp import (NOT_GIVEN_BY_DDP, ReducedBuckets, ReducedSteps, managed_by,
+                              refuse_ddp)
 from .fingerprints import (ADDED_TO_HELD, added_to_the_probes, any_nonzero, fingerprint,
                            refuse_changed_at_the_probe)
 from .in_backward_freed import FreedGradients
@@ -28,7 +29,7 @@ from .in_backward_hypers import CHANGED, HypersAtBackward
 from .in_backward_owners import refuse_stepped_elsewhere
 from .in_backward_params import WatchedParams
 from .in_backward_passes import PassEnds
-from .params import describe, local
+from .params import describe, describe_in, local
 
 
 class StepInBackward:
@@ -287,6 +288,9 @@ class StepInBackward:
     def saw_reduced(self, p, bits) -> None:
         """The probe's DDP parameter p: its gradient should hold these bits (of DDP's average)
         at the step, whichever tensor holds them."""
+        if p.grad is None:  # before any step: the probe's step has not begun
+            where = describe_in(self._optimizer.param_groups, p)
+            raise RuntimeError(NOT_GIVEN_BY_DDP.format(where))
         p, passes, grad, _ = self._seen[id(p)]
         self._seen[id(p)] = (p, passes, grad, (None, bits))
 

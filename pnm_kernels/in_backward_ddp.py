@@ -18,6 +18,18 @@ from .in_backward_passes import backward_pass
 from .params import local
 
 
+# DDP(static_graph=True) reduces zeros for a parameter no rank used but leaves its gradient
+# None; a bucket's step cannot tell those zeros from a gradient.
+NOT_GIVEN_BY_DDP = (
+    "step_in_backward(ddp=model): {} has no gradient at step(), though DDP reduced a bucket "
+    "holding it: DDP(static_graph=True) leaves a parameter no rank's forward used without one "
+    "(its bucket holds zeros for it, which the ordinary step skips and a bucket's step cannot "
+    "tell from a gradient, as with find_unused_parameters=True), or it was set to None by "
+    "hand between backward and step. Nothing was stepped. Freeze a parameter the model does "
+    "not use (requires_grad_(False) before wrapping the model in DDP), or use the ordinary "
+    "step")
+
+
 class ReducedBuckets:
     """DDP's communication hook for a model whose optimizer steps inside backward. Hands each
     bucket, with the future of its all-reduce, to the attached `ReducedSteps` (one per
@@ -209,7 +221,7 @@ def managed_by(ddp) -> set:
             if p.requires_grad and name not in ignored and id(p) not in delayed}
 
 
-__all__ = ["ReducedBuckets", "ReducedSteps", "managed_by"]
+__all__ = ["NOT_GIVEN_BY_DDP", "ReducedBuckets", "ReducedSteps", "managed_by"]
 
 
 def refuse_ddp(named_params, ddp_given: bool = False) -> None:

@@ -17,6 +17,15 @@ def describe(param, gi, pi) -> str:
     return f"param_groups[{gi}]['params'][{pi}] ({shape}, {param.dtype}, {param.device})"
 
 
+def describe_in(param_groups, param) -> str:
+    """describe() of a parameter where it stands in these groups (in none: its shape)."""
+    for gi, group in enumerate(param_groups):
+        for pi, p in enumerate(group["params"]):
+            if p is param:
+                return describe(param, gi, pi)
+    return f"a parameter of shape {tuple(param.shape)}"
+
+
 _PLAIN = (torch.Tensor, torch.nn.Parameter)
 
 

@@ -1,8 +1,8 @@
 """optimizer.step_in_backward(ddp=model) under DDP (docs/design.md §9): DDP's parameters step
 in its communication hook, a bucket once reduced. One rank over gloo (or NCCL with a GPU):
-bitwise the ordinary step, gradients left as DDP leaves them, micro-batches accumulated,
-clipping refused before anything moves; three gloo ranks bitwise ordinary DDP training. Two
-ranks: the ddp-in-backward mode of test_distributed.py."""
+bitwise the ordinary step, gradients left as DDP leaves them, micro-batches accumulated; three
+gloo ranks bitwise ordinary DDP training. Two ranks: the ddp-in-backward mode of
+test_distributed.py. What it refuses: test_ddp_in_backward_refusals.py."""
 import contextlib
 import copy
 import os
@@ -119,27 +119,6 @@ def test_ddp_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_rank
     expected = _one_rank_ddp_accumulation(name, how)
     for p, q in zip(got, expected):
         assert torch.equal(p, q)
-
-
-def _ddp_stepping_in_backward():
-    """A DDP model whose PNM steps inside backward, its parameters as they start, the data."""
-    model = _model().to(ONE_RANK_DEVICE)
-    ddp = torch.nn.parallel.DistributedDataParallel(model)
-    opt = PNM(ddp.parameters(), lr=1e-2)
-    opt.step_in_backward(ddp=ddp)
-    before = [p.detach().clone() for p in model.parameters()]
-    return model, ddp, opt, before, [t.to(ONE_RANK_DEVICE) for t in _data()]
-
-
-def test_ddp_gradient_clipping_is_refused_in_backward_before_anything_moves(one_rank):
-    """The probe compares the gradients with the bits of the averages DDP reduced."""
-    model, ddp, opt, before, (xs, ys) = _ddp_stepping_in_backward()
-    torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
-    torch.nn.utils.clip_grad_norm_(model.parameters(), 1e-3)
-    with pytest.raises(RuntimeError, match="gradient clipping"):
-        opt.step()
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
-    assert not opt.state
 
 
 @pytest.mark.parametrize("recovery", ["batch-skipped", "checkpoint-loaded"])
@@ -290,41 +269,6 @@ def test_ddp_step_in_backward_attached_and_removed_between_steps(one_rank, event
         assert torch.equal(p, q)
 
 
-def test_what_ddp_cannot_step_in_backward_is_refused_naming_it(one_rank):
-    model = _model().to(ONE_RANK_DEVICE)
-    with pytest.raises(TypeError, match="ddp must be the torch.nn.parallel.Distributed"):
-        PNM(model.parameters()).step_in_backward(ddp=model)
-    unused = torch.nn.parallel.DistributedDataParallel(model, find_unused_parameters=True)
-    with pytest.raises(RuntimeError, match="find_unused_parameters=True"):
-        PNM(model.parameters()).step_in_backward(ddp=unused)
-    complex_model = torch.nn.Linear(2, 2, bias=False).to(ONE_RANK_DEVICE)
-    complex_model.weight.data = complex_model.weight.data.to(torch.complex64)
-    with_complex = torch.nn.parallel.DistributedDataParallel(complex_model)
-    with pytest.raises(RuntimeError, match="parameter 'weight' is complex"):
-        PNM(with_complex.parameters()).step_in_backward(ddp=with_complex)
-    hooked = torch.nn.parallel.DistributedDataParallel(_model().to(ONE_RANK_DEVICE))
-    from torch.distributed.algorithms.ddp_comm_hooks.default_hooks import allreduce_hook
-    hooked.register_comm_hook(None, allreduce_hook)
-    with pytest.raises(RuntimeError, match="already has a communication hook"):
-        PNM(hooked.parameters()).step_in_backward(ddp=hooked)
-
-
-def test_under_several_ranks_only_a_ddp_models_parameters_step_in_backward(one_rank,
-                                                                            monkeypatch):
-    """A parameter no DDP model given reduces would step before any all-reduce: refused,
-    naming it, before the hook is registered on the model given."""
-    ddp = torch.nn.parallel.DistributedDataParallel(_model().to(ONE_RANK_DEVICE))
-    stray = torch.nn.Parameter(torch.zeros(3, device=ONE_RANK_DEVICE))
-    monkeypatch.setattr(dist, "get_world_size", lambda *a: 2)
-    opt = PNM([{"params": ddp.parameters()}, {"params": [stray]}])
-    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] .*DDP"):
-        opt.step_in_backward(ddp=ddp)
-    assert not getattr(ddp, "_comm_hooks", None)
-    handle = PNM(ddp.parameters()).step_in_backward(ddp=ddp)
-    with pytest.raises(RuntimeError, match=r"param_groups\[1\]\['params'\]\[0\] .*DDP"):
-        handle._optimizer.add_param_group({"params": [stray]})
-
-
 def _three_rank_training(rank, name, state_dtype, how, in_backward):
     """One rank's DDP training of three. how: "grads" (DDP's own gradients, set to None
     between steps), "kept-zero-views" (gradients as bucket views zeroed in place: DDP then
@@ -389,19 +333,6 @@ def test_three_ddp_ranks_step_in_backward_as_the_ordinary_step_bitwise(name, sta
         mp.spawn(_three_rank_worker, args=(name, state_dtype, how, workdir, _free_port()),
                  nprocs=3, join=True)
         assert all(torch.load(f"{workdir}/rank{rank}.pt") for rank in range(3))
-
-
-def test_ddp_join_dividing_by_the_ranks_left_is_refused_by_every_rank_before_reducing(one_rank):
-    """Join(divide_by_initial_world_size=False): DDP divides by the ranks not yet joined,
-    which its communication hook cannot know; refused at the first bucket, on every rank
-    before its all-reduce (none waits for another), before anything steps."""
-    from torch.distributed.algorithms.join import Join
-
-    model, ddp, _, before, (xs, ys) = _ddp_stepping_in_backward()
-    with pytest.raises(RuntimeError, match=r"divide_by_initial_world_size=False"):
-        with Join([ddp], divide_by_initial_world_size=False):
-            torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
-    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
 
 
 class _Checkpointed(torch.nn.Module):
