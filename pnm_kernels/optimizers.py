@@ -285,11 +285,11 @@ class _PositiveNegativeMomentum(Optimizer):
     # parameter, unguarded (every group got the first one's state). torch's own way of
     # disabling dynamo, imported when first called.
     @torch._disable_dynamo
-    def _init_group(self, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
+    def _init_group(self, group, gi, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
                     seeds, scale0, scale1, scale2, scale3):
         """For torch.compile, which runs this untraced as it runs torch's optimizers' own
         (see traced.init_group)."""
-        return traced.init_group(self, group, params, grads, buffer0, buffer1, buffer2,
+        return traced.init_group(self, group, gi, params, grads, buffer0, buffer1, buffer2,
                                  buffer3, steps, seeds, [scale0, scale1, scale2, scale3])
 
 

@@ -38,7 +38,7 @@ def step(optimizer, scaling: Scaling) -> None:
         # int8 state: a list per buffer (as backends.base.Batch.scales). Flat lists: dynamo finds
         # the sources of the tensors the untraced _init_group puts into them.
         scales: list[list] = [[] for _ in range(4)]
-        batches = optimizer._init_group(group, *lists, *scales)
+        batches = optimizer._init_group(group, gi, *lists, *scales)
         places = [pi for *_, indices in batches for pi in indices]
         for step, pi in zip(lists[6], places):
             if step.device.type == "cpu":
@@ -353,7 +353,7 @@ def _make_every_state(optimizer) -> None:
                 optimizer._batches.state_for(optimizer, p, names, group, places)
 
 
-def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
+def init_group(optimizer, group, gi, params, grads, buffer0, buffer1, buffer2, buffer3, steps,
                seeds, scales):
     """Run untraced (see the optimizer's _init_group): validates the group, checks its
     gradients, makes missing state, and fills the lists with the parameters that have a
@@ -362,8 +362,9 @@ def init_group(optimizer, group, params, grads, buffer0, buffer1, buffer2, buffe
     batch's (backend, number of parameters, each one's dense_copies, each one's
     element_offset, each one's place in the group), decided here from the layouts: constants,
     as dynamo takes them. (Dynamo guards the parameters, not the gradients; the kernel
-    refuses a gradient laid out otherwise.)"""
-    gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+    refuses a gradient laid out otherwise.) `gi`: the group's index; dynamo hands a group of
+    constants alone (no parameter) over as a copy, so `group` is read from the optimizer."""
+    group = optimizer.param_groups[gi]
     validate_group(group, optimizer._adaptive, f"param_groups[{gi}]")
     if gi == 0:
         _check_every_group(optimizer)

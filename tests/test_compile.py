@@ -101,10 +101,10 @@ def test_a_step_counter_set_by_hand_as_a_number_is_taken_by_the_compiled_step(ba
 @pytest.mark.parametrize("name", ["PNM", "AdaPNM"])
 def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name, backend):
     """fp32/fp16/bf16, complex, transposed, channels_last, a strided slice, 0-dim and empty
-    parameters in one group, and a second group: the compiled step makes one graph
-    (fullgraph) and gives what the eager step gives, and the strided slice is updated in
-    place; also where the step runs foreach ops (what an install without the extension
-    traces)."""
+    parameters in one group, a second group and groups with no parameter: the compiled step
+    makes one graph (fullgraph) and gives what the eager step gives, and the strided slice is
+    updated in place; also where the step runs foreach ops (what an install without the
+    extension traces)."""
     torch._dynamo.reset()
     gen = torch.Generator().manual_seed(0)
     tensors = [torch.randn(10, generator=gen), torch.randn(9, generator=gen).half(),
@@ -120,7 +120,9 @@ def test_a_compiled_step_takes_mixed_dtypes_complex_and_odd_layouts(name, backen
         params = [t.to(DEVICE).clone() for t in tensors]
         params[6] = tensors[6]._base.clone()[:, ::3]
         params = [p.requires_grad_() for p in params]
-        opt = OPTIMIZERS[name]([dict(params=params[:7]), dict(params=params[7:], lr=3e-3)],
+        # Groups without parameters too (a decay/no-decay split with one side empty).
+        opt = OPTIMIZERS[name]([dict(params=[]), dict(params=params[:7]), dict(params=[]),
+                                dict(params=params[7:], lr=3e-3)],
                                lr=1e-2, weight_decay=0.1, backend=backend)
         step = (torch.compile(opt.step, backend=CompileCounter(), fullgraph=True)
                 if compile_step else opt.step)
