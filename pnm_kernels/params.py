@@ -157,34 +157,43 @@ def dense_copies(param, grad, buffer, flat):
     return not dense_like(param, buffer), not dense_like(grad, buffer)
 
 
-def _kernel_tensors(p, grad, bufs, flat, copies=None):
+def _kernel_tensors(p, grad, bufs, flat, copies=None, traced=False):
     """What the kernels take for one parameter (under torch.compile `copies` was decided
-    untraced). Returns (param, grad, buffers, the (param, dense copy) pair to write back
-    after the step, or None)."""
+    untraced). Returns (param, grad, buffers, the (tensor, copy) pairs to write back after
+    the step)."""
     param, grad, bufs = kernel_views(p, grad, bufs)
     copy_param, copy_grad = copies or dense_copies(param, grad, bufs[0], flat)
-    writeback = None
+    writebacks = []
     # In the buffers' layout, in the tensor's own dtype (the buffers may hold another: bfloat16
     # or int8 state).
     if copy_param:
         dense = torch.empty_like(bufs[0], dtype=param.dtype).copy_(param)
-        writeback = (param, dense)
+        writebacks.append((param, dense))
         param = dense
     if copy_grad:
         grad = torch.empty_like(bufs[0], dtype=grad.dtype).copy_(grad)
-    return param, grad, bufs, writeback
+    if traced and p.is_complex():
+        # torch's functionalization of an op that writes a dtype-changing view (the real view
+        # of a complex tensor) rebuilds the view as_strided over the complex base, which
+        # fails: the op writes real copies, copied back through the views.
+        if not copy_param:
+            writebacks.append((param, param.clone()))
+            param = writebacks[-1][1]
+        writebacks += [(buf, buf.clone()) for buf in bufs]
+        bufs = [copy for _, copy in writebacks[-len(bufs):]]
+    return param, grad, bufs, writebacks
 
 
-def kernel_batch(params, grads, buffers, steps, flat, copies=None):
+def kernel_batch(params, grads, buffers, steps, flat, copies=None, traced=False):
     """The kernels' Batch for these parameters (`buffers`: a list per state buffer, `copies`:
-    see _kernel_tensors), and the (param, dense copy) pairs to write back after the step."""
+    see _kernel_tensors; `traced`: under torch.compile), and the (tensor, copy) pairs to
+    write back after the step."""
     batch = Batch(buffers=[[] for _ in buffers])
     writebacks = []
     for i, p in enumerate(params):
-        param, grad, bufs, writeback = _kernel_tensors(
-            p, grads[i], [b[i] for b in buffers], flat, copies[i] if copies else None)
-        if writeback is not None:
-            writebacks.append(writeback)
+        param, grad, bufs, written = _kernel_tensors(
+            p, grads[i], [b[i] for b in buffers], flat, copies[i] if copies else None, traced)
+        writebacks += written
         batch.params.append(param)
         batch.grads.append(grad)
         for lst, buf in zip(batch.buffers, bufs):

@@ -81,7 +81,7 @@ def step(optimizer, scaling: Scaling) -> None:
                 batch_hyper = hyper.with_lr(lr)
             batch, writebacks = kernel_batch(
                 params[start:end], grads[start:end], [b[start:end] for b in buffers],
-                steps[start:end], REGISTRY[backend].flat, copies)
+                steps[start:end], REGISTRY[backend].flat, copies, traced=True)
             if seeds:
                 batch.seeds, batch.offsets = seeds[start:end], list(offsets)
             if scales[0]:
@@ -102,11 +102,16 @@ def _memory_of(optimizer, groups) -> tuple[list, list, list]:
         params, grads, *buffers, counters, seeds = lists
         steps += counters
         for tensors in (params, *buffers, seeds, *scales):
-            written += [local(t) for t in tensors if t is not None]
-        read += [local(g) for g in grads]
+            written += [_real(local(t)) for t in tensors if t is not None]
+        read += [_real(local(g)) for g in grads]
         if params and isinstance(group["lr"], torch.Tensor):
             read.append(group["lr"])
     return steps, written, read
+
+
+def _real(tensor):
+    """A complex tensor as its real view: inductor fails on a custom op taking complex ones."""
+    return torch.view_as_real(tensor) if tensor.is_complex() else tensor
 
 
 def _check_step_counts(steps: list, groups: list, places: list) -> None:
