@@ -118,10 +118,13 @@ def assert_lr_in_graph(lr, where: str, bound: float) -> None:
     lr_bound's."""
     if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1
             and lr.is_floating_point()):
+        # The bound is not in the message: under dynamic=True it is symbolic (traced from the
+        # group's floats), and dynamo cannot format it.
         torch._assert_async((lr >= 0) & (lr <= bound),
-                            f"{where}: invalid lr (a tensor now NaN, negative, or past "
-                            f"{bound:.4g}, where the step's float32 factors end); need a "
-                            "finite real number >= 0")
+                            f"{where}: invalid lr (a tensor now NaN, negative, or so large "
+                            "that the step's float32 factors (lr, lr * weight_decay, "
+                            "lr / (1 - beta1)) pass float32's range); need a finite real "
+                            "number >= 0")
 
 
 def check_float16_factors(hyper: "Hyper", where: str) -> None:

@@ -110,19 +110,21 @@ def test_a_compiled_step_refuses_bad_state_naming_it_before_any_state_converts(n
 
 # 1e38: within float32, its factor lr / (1 - beta1) not
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, 1e38], ids=["nan", "negative", "factor"])
-@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor", "inductor-dynamic"])
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
 def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step(backend,
                                                                                  compiler, bad):
     """Dynamo does not guard a tensor lr's value (a new value must not recompile), so the
     step checks a CPU lr inside the graph, as eager checks it: refused naming the group,
-    before any group stepped (here the first, whose lr is fine)."""
+    before any group stepped (here the first, whose lr is fine). With dynamic=True the
+    check's bound is symbolic (traced from the group's floats)."""
     torch._dynamo.reset()
     params = [torch.randn(5, requires_grad=True) for _ in range(2)]
     lrs = [torch.tensor(1e-2), torch.tensor(1e-3, dtype=torch.float64)]
     opt = OPTIMIZERS["AdaPNM"]([dict(params=[p], lr=lr) for p, lr in zip(params, lrs)],
                                backend=backend)
-    step = torch.compile(opt.step, backend=compiler)
+    step = torch.compile(opt.step, backend=compiler.removesuffix("-dynamic"),
+                         dynamic=compiler.endswith("-dynamic"))
     for p in params:
         p.grad = torch.ones_like(p)
     step()
