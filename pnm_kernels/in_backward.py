@@ -289,8 +289,9 @@ class StepInBackward:
         """The probe's DDP parameter p: its gradient should hold these bits (of DDP's average)
         at the step, whichever tensor holds them."""
         if p.grad is None:  # before any step: the probe's step has not begun
-            where = describe_in(self._optimizer.param_groups, p)
-            raise RuntimeError(NOT_GIVEN_BY_DDP.format(where))
+            self._seen, self._param_bits = {}, {}  # a refused probe is retried afresh
+            raise RuntimeError(NOT_GIVEN_BY_DDP.format(describe_in(self._optimizer.param_groups,
+                                                                   p)))
         p, passes, grad, _ = self._seen[id(p)]
         self._seen[id(p)] = (p, passes, grad, (None, bits))
 

@@ -196,8 +196,8 @@ class ReducedSteps:
 
     def zeroing(self) -> None:
         """zero_grad() before any step(): a pass (failed, or whose step was skipped) leaves
-        its last bucket unstepped, as the ordinary loop would."""
-        self._pending, self._stepped = (), {}
+        its last bucket unstepped, as the ordinary loop would; a probe's pass is forgotten."""
+        self._pending, self._stepped, self._sums = (), {}, []
 
     def probed(self) -> None:
         """The probe's step: the bit sums of the averages DDP reduced (which it copies into

@@ -75,10 +75,11 @@ class _PositiveNegativeMomentum(Optimizer):
         self._new_step_paths()
         self._in_backward = handle
         self._own_state_dict_hooks()
+        for key in _TORCH_ADDED_DEFAULTS:  # nor into a group added later
+            self.defaults.pop(key, None)
         for group in self.param_groups:  # groups saved before a key existed get its default
             for key, value in self.defaults.items():
-                if key not in _TORCH_ADDED_DEFAULTS:
-                    group.setdefault(key, value)
+                group.setdefault(key, value)
         saved_codes.hold_key(self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:

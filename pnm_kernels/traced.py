@@ -207,10 +207,12 @@ def _refuse_changed_tensor(optimizer_at: int, where: int, numel: int, dtype: int
     name, now, lazy = "a tensor of the step", None, None
     for tensor, owner in _tensors_named(_traced_optimizer(optimizer_at)):
         t = local(tensor)
-        if where and t.numel() == numel and t.data_ptr() == where:
+        if where and _real(t).numel() == numel and t.data_ptr() == where:  # checked as _real's
             name, lazy = owner, lazy_view(t)
             now = _layout_text(t.dtype, -1 if t.device.type == "cpu" else t.device.index,
                                tuple(t.shape), t.stride())
+            if t.is_complex():
+                traced += " (as the real view of a complex tensor)"
             break
     if lazy:
         raise RuntimeError(

@@ -319,6 +319,28 @@ def test_a_tensor_changed_through_data_after_tracing_is_refused_before_any_group
     assert_states_close(opt, params, eager, eager_params)
 
 
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_a_complex_parameter_changed_through_data_after_tracing_is_refused_naming_it(compiler):
+    """The graph checks a complex tensor as its real view; the refusal still names it (under
+    inductor, whose code checks the real view's dtype before our check, its own message)."""
+    torch._dynamo.reset()
+    params = [torch.randn(4, 3, dtype=torch.complex64).requires_grad_() for _ in range(2)]
+    opt = OPTIMIZERS["PNM"]([dict(params=params[:1]), dict(params=params[1:])], lr=1e-2)
+    step = torch.compile(opt.step, backend=compiler)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    step()
+    params[1].data = params[1].data.to(torch.complex128)
+    for p in params:
+        p.grad = torch.ones_like(p)
+    match = (r"param_groups\[1\]\['params'\]\[0\] is torch.complex128 of shape \(4, 3\), .* "
+             r"traced with torch.float32 of shape \(4, 3, 2\), .*\(as the real view of a "
+             r"complex tensor\)" if compiler == "aot_eager" else
+             r"expected dtype torch.float32 but got torch.float64\nError in op: "
+             r"torch.ops.aten.view_as_real")
+    _assert_refused_untouched(step, opt, params, match)
+
+
 _LAZY_VIEW_EDITS = {  # each leaves params[1]'s tensor a lazy negative view of its values
     "parameter": lambda opt, p: setattr(p, "data", torch._neg_view(-p.data)),
     "state": lambda opt, p: setattr(opt.state[p]["exp_avg"], "data",

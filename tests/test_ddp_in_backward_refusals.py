@@ -60,6 +60,12 @@ def test_a_parameter_static_graph_ddp_leaves_without_a_gradient_is_refused_namin
         opt.step()
     assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before))
     assert not opt.state
+    opt.step()  # again, no zero_grad(): the ordinary step, as for any refused probe
+    assert sorted(tuple(p.shape) for p in opt.state) == [(2,), (2, 4)]
+    opt.zero_grad()
+    ddp(torch.randn(5, 4, device=ONE_RANK_DEVICE)).sum().backward()
+    with pytest.raises(RuntimeError, match="no rank's forward used"):
+        opt.step()  # the next pass is the probe again
 
 
 def test_what_ddp_cannot_step_in_backward_is_refused_naming_it(one_rank):

@@ -241,7 +241,8 @@ def test_a_reloaded_or_copied_optimizer_saves_the_same_group_keys(name, how):
         opt.load_state_dict(opt.state_dict())
     else:
         opt = copy.deepcopy(opt) if how == "deepcopy" else pickle.loads(pickle.dumps(opt))
-    assert set(opt.state_dict()["param_groups"][0]) == keys
+    opt.add_param_group(dict(params=make_params([(3,)])))  # takes the defaults' keys
+    assert [set(group) for group in opt.state_dict()["param_groups"]] == [keys, keys]
 
 
 @OVER_OPTIMIZERS
