@@ -121,6 +121,24 @@ def test_ddp_accumulates_micro_batches_in_backward_as_the_ordinary_step(one_rank
         assert torch.equal(p, q)
 
 
+def test_a_ddp_probe_pass_skipped_by_zero_grad_steps_nothing_and_the_next_pass_probes(one_rank):
+    """The probe's pass, then zero_grad() (its batch skipped: a loss gone NaN), then step():
+    nothing steps, as in the ordinary loop, and the next pass is the probe."""
+    model = _model().to(ONE_RANK_DEVICE)
+    ddp = torch.nn.parallel.DistributedDataParallel(model)
+    opt = PNM(ddp.parameters(), lr=1e-2)
+    opt.step_in_backward(ddp=ddp)
+    xs, ys = (t.to(ONE_RANK_DEVICE) for t in _data())
+    before = [p.detach().clone() for p in model.parameters()]
+    torch.nn.functional.mse_loss(ddp(xs[0]), ys[0]).backward()
+    opt.zero_grad()
+    opt.step()
+    assert all(torch.equal(p, b) for p, b in zip(model.parameters(), before)) and not opt.state
+    torch.nn.functional.mse_loss(ddp(xs[1]), ys[1]).backward()
+    opt.step()
+    assert [int(opt.state[p]["step"]) for p in model.parameters()] == [1] * len(before)
+
+
 @pytest.mark.parametrize("recovery", ["batch-skipped", "checkpoint-loaded"])
 def test_a_ddp_backward_pass_failing_after_buckets_stepped_is_told_from_one_that_ended(
         one_rank, recovery):
