@@ -5,8 +5,9 @@ the same to rounding (a code one step away in at most one element in a thousand)
 are unbiased; blocks
 lie within dim-0 rows, so sharded parameters quantise as whole ones; the state travels in a
 plain state_dict, converts to and from other state dtypes, and what does not fit is refused
-naming it before anything is touched. (Training as well as float32 state, the drift test and
-dim-0 shards: tests/test_state_dtype.py, over both compressed dtypes.)"""
+naming it before anything is touched. (Training as well as float32 state and the drift test:
+tests/test_state_dtype_trains.py; dim-0 shards: tests/test_state_dtype.py; both over both
+compressed dtypes.)"""
 
 import pytest
 import torch
