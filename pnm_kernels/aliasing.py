@@ -23,7 +23,9 @@ PARAMETER = "parameter"
 GRADIENT = "gradient"
 # A group's tensor lr (its owner: the group): only read, as a gradient is.
 LR = "lr"
-_READ_ONLY = (GRADIENT, LR)
+# GradScaler's grad_scale or found_inf (its owner: that name): only read too.
+SCALING = "scaling"
+_READ_ONLY = (GRADIENT, LR, SCALING)
 
 # Two strided tensors whose spans meet are compared run by run (a run: elements contiguous
 # in memory); past this many runs in either (elements interleaved with another tensor's, in

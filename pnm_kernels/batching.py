@@ -9,7 +9,7 @@ from typing import Optional
 import torch
 
 from ._ops import extension_error
-from .aliasing import (GRADIENT, LR, PARAMETER, MemoryClaims, SharedMemoryError,
+from .aliasing import (GRADIENT, LR, PARAMETER, SCALING, MemoryClaims, SharedMemoryError,
                        held_params, written_memory)
 from .backends import REGISTRY
 from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_layouts,
@@ -302,6 +302,13 @@ def _explained(optimizer, group, p):
 def _shared_memory_message(optimizer, first, second, same_tensor) -> str:
     """What SharedMemoryError's owners (parameter, key) say, a state's key named first: it
     is what to mend; an owner named twice: a tensor whose own elements share memory."""
+    if SCALING in (first[1], second[1]):
+        (name, _), (p, key) = (first, second) if first[1] == SCALING else (second, first)
+        what = {PARAMETER: "", GRADIENT: "'s gradient"}.get(key, f"'s state {key!r}")
+        return (f"optimizer.{name} (GradScaler's) shares memory with "
+                f"{_describe_anywhere(optimizer, p)}{what}, which the step writes while it "
+                f"reads {name} (each backend in another order): give it memory of its own "
+                "(`.clone()`). Nothing was stepped")
     if LR in (first[1], second[1]):
         (group, _), (p, key) = (first, second) if first[1] == LR else (second, first)
         gi = next(i for i, g in enumerate(optimizer.param_groups) if g is group)

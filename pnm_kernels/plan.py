@@ -8,7 +8,7 @@ from typing import Any, Optional, Sequence
 
 import torch
 
-from .aliasing import GRADIENT, LR, PARAMETER, MemoryClaims
+from .aliasing import GRADIENT, LR, PARAMETER, SCALING, MemoryClaims
 from .backends import REGISTRY, check_capturable, native_grad_check, resolve_backend
 from .backends.base import Scaling, held_lists_ok, own_state
 from .batching import BatchCache, writeback
@@ -251,6 +251,7 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
     groups = {id(item.group): item.group for item in plan}.values()
     lrs = [group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
+    lrs += [t for _, t in scaling.named()]  # only read, as tensor lrs are
     if cache.drops != drops:
         # A batch given new data or memory dropped the cache: every batch is built again, so
         # that its memory is checked against all the others' (one reused before the drop
@@ -265,6 +266,8 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     claims = MemoryClaims()  # the tensors met: memory shared between them is refused
     for group in groups:
         claims.add(group["lr"], group, LR)  # a tensor lr is read while the step writes
+    for name, tensor in scaling.named():
+        claims.add(tensor, name, SCALING)
     for item, n, batch in zip(plan, item_names, reused):
         if batch is None:  # what building it would refuse, before any state is converted
             cache.check_states(optimizer, item.group, item.params, n, claims)

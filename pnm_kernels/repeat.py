@@ -128,8 +128,10 @@ class RepeatedStep:
                 return False
             hypers.append(hyper)
         lrs = [group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
+        lrs += [t for _, t in scaling.named()]
         if lrs and written.grads_met(lrs):
-            return False  # a tensor lr in memory the step writes: the planned step names it
+            return False  # a tensor lr (GradScaler's tensors) in memory the step writes: the
+            # planned step names it
         hyper_of = {id(held): hyper for held, hyper in zip(entries, hypers)}
         several = len(flat) > 1
         if several and not all(b.held.step_lists.take_own_grads() for _, b in flat):

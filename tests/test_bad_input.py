@@ -2,6 +2,7 @@
 what is missing and why), and nothing is touched: no parameter, state buffer or step
 counter changes, in any group."""
 import copy
+import re
 import sys
 
 import pytest
@@ -313,6 +314,37 @@ def test_grad_scale_or_found_inf_not_as_grad_scaler_sets_them_is_refused_untouch
         opt.step()
     assert all(torch.equal(p, v) for p, v in zip(params, values))
     assert all(int(opt.state[p]["step"]) == 2 for p in params)
+
+
+@pytest.mark.parametrize("where", ["parameter", "state"])
+@pytest.mark.parametrize("attribute", ["grad_scale", "found_inf"])
+@cases.parametrize(FAST_PATHS + ["reference"])
+def test_grad_scale_or_found_inf_in_memory_the_step_writes_is_refused_untouched(path, name,
+                                                                                attribute,
+                                                                                where):
+    """GradScaler's tensors are read while the step writes, as a tensor lr is: one set by
+    hand into a parameter's or a state buffer's memory is refused naming both, before
+    anything moves (stepped, the backends each read it before or after writing it: a
+    partial step on some), also after steps whose lists are held."""
+    params = make_params([(4, 256), (5,)])
+    opt = OPTIMIZERS[name](params, backend=path)
+    train(opt, params, 2)
+    key = "exp_avg" if name == "AdaPNM" else "pos_momentum"
+    target = params[0] if where == "parameter" else opt.state[params[0]][key]
+    target.data[1, 7:8].fill_(0.0 if attribute == "found_inf" else 1.0)
+    setattr(opt, attribute, target.data[1, 7:8])
+    values = [p.detach().clone() for p in params]
+    states = [{k: v.clone() for k, v in opt.state[p].items()} for p in params]
+    for p in params:
+        p.grad = torch.ones_like(p)
+    whose = "" if where == "parameter" else f"'s state '{key}'"
+    with pytest.raises(RuntimeError, match=rf"optimizer.{attribute} \(GradScaler's\) shares "
+                                           rf"memory with param_groups\[0\]\['params'\]\[0\] "
+                                           rf"\(.*\){re.escape(whose)}, which the step writes"):
+        opt.step()
+    assert all(torch.equal(p, v) for p, v in zip(params, values))
+    assert all(torch.equal(opt.state[p][k], v) for p, state in zip(params, states)
+               for k, v in state.items())
 
 
 @cases.parametrize(FAST_PATHS + ["reference"])

@@ -82,6 +82,11 @@ class Scaling:
             tensors.append(t if t is None or t.dim() == 0 else t.reshape(()))
         return Scaling(*tensors)
 
+    def named(self) -> list:
+        """(name, tensor) of each one set: read while the step writes, as a tensor lr is."""
+        return [(name, t) for name, t in (("grad_scale", self.grad_scale),
+                                          ("found_inf", self.found_inf)) if t is not None]
+
     def to(self, device: torch.device) -> "Scaling":
         if self.grad_scale is None and self.found_inf is None:
             return self
