@@ -14,7 +14,7 @@ import weakref
 import torch
 
 from ._ops import DTYPE_CODES, extension_error
-from .aliasing import LR, MemoryClaims, extents_meet
+from .aliasing import LR, SCALING, MemoryClaims, extents_meet
 from .backends import REGISTRY, traceable
 from .backends.base import Scaling, is_whole_count
 from .batching import ParameterPlaces, writeback
@@ -58,6 +58,7 @@ def step(optimizer, scaling: Scaling) -> None:
         _check_step_counts(*counters)
     steps, written, read = _memory_of(optimizer, groups)
     if steps:  # a group steps
+        read += [t for _, t in scaling.named()]  # GradScaler's: read as a tensor lr is
         # A gradient's sizes may be symbolic (dynamo makes them dynamic once they changed);
         # the parameters and state are static inputs.
         _check_traced_tensors(steps, written, read,
@@ -338,6 +339,8 @@ def _check_every_group(optimizer) -> None:
                                         _buffer_names(optimizer, group), claims)
         if stepping:  # a group that does not step reads no lr
             claims.add(group["lr"], group, LR)
+    for name, tensor in Scaling.of(optimizer).named():
+        claims.add(tensor, name, SCALING)
     optimizer._batches.check_memory(optimizer, claims)
 
 

@@ -169,6 +169,36 @@ def test_a_float_lr_made_dynamic_then_bad_is_refused_by_the_compiled_step(backen
     assert [int(opt.state[p]["step"]) for p in params] == [4, 4]
 
 
+@pytest.mark.parametrize("how", ["new-tensor", "data"])
+@pytest.mark.parametrize("attribute", ["grad_scale", "found_inf"])
+@pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
+def test_grad_scalers_tensor_moved_into_written_memory_is_refused_by_the_compiled_step(
+        compiler, attribute, how):
+    """GradScaler's tensors are read as a tensor lr is: one put into a parameter's memory
+    after tracing (a new tensor, which traces again, or through `.data`, which dynamo does
+    not see) is refused naming both, before anything is written."""
+    torch._dynamo.reset()
+    gen = torch.Generator().manual_seed(0)
+    params = [torch.rand(4, 3, generator=gen).requires_grad_() for _ in range(2)]
+    opt = OPTIMIZERS["AdaPNM"](params, lr=1e-2, backend="fused")
+    opt.grad_scale, opt.found_inf = torch.ones(()), torch.zeros(())
+    step = torch.compile(opt.step, backend=compiler)
+    for _ in range(2):
+        for p in params:
+            p.grad = torch.ones_like(p)
+        step()
+    inside = params[1].detach()[0, 0]
+
+    def edit():
+        if how == "data":
+            getattr(opt, attribute).data = inside
+        else:
+            setattr(opt, attribute, inside)
+    _assert_refused_untouched(step, opt, params,
+                              rf"optimizer.{attribute} \(GradScaler's\) shares memory with "
+                              rf"{_SECOND}", edit=edit, error=Exception)
+
+
 @pytest.mark.parametrize("bad", [float("nan"), -1.0, 2.5], ids=["nan", "negative", "fractional"])
 @pytest.mark.parametrize("compiler", ["aot_eager", "inductor"])
 @pytest.mark.parametrize("backend", ["fused", "foreach"])
