@@ -16,8 +16,8 @@ from .backends.base import (Batch, HeldLists, held_lists_ok, held_memory, hold_l
                             layouts_unchanged, own_state, tensor_layouts)
 from .layout import LAZY_VIEW_ADVICE, dense_like, lazy_view
 from .hyper import needs_seed, steps_in_float32
-from .params import (describe, element_offset, holdable, kernel_batch, local, shard_holdable,
-                     shard_of)
+from .params import (describe, describe_in, element_offset, holdable, kernel_batch, local,
+                     shard_holdable, shard_of)
 from .quantization import scale_name
 from .state import (REFUSED_LOAD, BufferShapeError, CodesWithoutScalesError, ParamState,
                     StateValueError, StateWatch, check_resolved, check_state, claim_state,
@@ -378,8 +378,7 @@ def _describe(optimizer, group, p) -> str:
 
 
 def _describe_anywhere(optimizer, p) -> str:
-    group = next(g for g in optimizer.param_groups if any(q is p for q in g["params"]))
-    return _describe(optimizer, group, p)
+    return describe_in(optimizer.param_groups, p)
 
 
 def _memory_of(p, state, keys) -> tuple:

@@ -238,6 +238,13 @@ def check_grads(batches, params, grads, gi):
     return layouts
 
 
+def read_while_writing(groups, scaling: Scaling) -> list:
+    """What a step reads while it writes, besides the gradients: the groups' tensor lrs and
+    GradScaler's tensors (none may lie in memory the step writes)."""
+    return ([group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
+            + [t for _, t in scaling.named()])
+
+
 def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Scaling,
         bucket: bool = False):
     """Runs every item of the plan; returns the batches it ran. Every batch is built (and
@@ -250,8 +257,7 @@ def run(optimizer, plan, planner: Planner, cache: BatchCache, names, scaling: Sc
     drops = cache.drops
     reused = [cache.reused(optimizer, item, n) for item, n in zip(plan, item_names)]
     groups = {id(item.group): item.group for item in plan}.values()
-    lrs = [group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
-    lrs += [t for _, t in scaling.named()]  # only read, as tensor lrs are
+    lrs = read_while_writing(groups, scaling)
     if cache.drops != drops:
         # A batch given new data or memory dropped the cache: every batch is built again, so
         # that its memory is checked against all the others' (one reused before the drop

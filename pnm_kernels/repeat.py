@@ -17,7 +17,7 @@ from .backends import REGISTRY
 from .backends.base import Batch, HeldLists, Scaling, step_lists
 from .batching import BatchCache
 from .params import holdable, is_param_list
-from .plan import Planner
+from .plan import Planner, read_while_writing
 from .state import ParamState, buffer_fits, counted_entry
 
 
@@ -127,8 +127,7 @@ class RepeatedStep:
             if _plan_keys(group, planner.buffer_names(names, group)) != held.plan_keys:
                 return False
             hypers.append(hyper)
-        lrs = [group["lr"] for group in groups if isinstance(group["lr"], torch.Tensor)]
-        lrs += [t for _, t in scaling.named()]
+        lrs = read_while_writing(groups, scaling)
         if lrs and written.grads_met(lrs):
             return False  # a tensor lr (GradScaler's tensors) in memory the step writes: the
             # planned step names it
