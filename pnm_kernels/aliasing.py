@@ -83,7 +83,9 @@ class MemoryClaims:
     def check(self) -> None:
         """A sweep over the spans in address order: O(n log n), and disjoint memory keeps one
         span open. (Addresses are unique across devices, but compared only on one.) A tensor
-        whose own elements share memory is refused first, as shared with itself."""
+        whose own elements share memory is refused first, as shared with itself. Of several
+        shared pairs, the one whose later claim came first is named: addresses differ from
+        run to run, the order of the claims does not."""
         if self._overlapping:
             i = self._overlapping[0]
             owner = (self._params[i], self._keys[i])
@@ -91,28 +93,32 @@ class MemoryClaims:
         starts, ends = self._starts, self._ends
         open_spans: list[int] = []
         open_end = -1
+        first: tuple[int, int] | None = None
         for i in sorted(range(len(starts)), key=starts.__getitem__):
             if starts[i] >= open_end:
                 open_spans, open_end = [i], ends[i]
                 continue
             open_spans = [j for j in open_spans if ends[j] > starts[i]]
             for j in open_spans:
-                self._refuse_if_shared(i, j)
+                pair = (max(i, j), min(i, j))
+                if (first is None or pair < first) and self._shared(*pair):
+                    first = pair
             open_spans.append(i)
             open_end = max(open_end, ends[i])
-
-    def _refuse_if_shared(self, i: int, j: int) -> None:
-        i, j = max(i, j), min(i, j)  # the later claim named first: the same in every run
-        if self._params[i] is self._params[j] and self._keys[i] == self._keys[j]:
-            return  # one tensor added twice for one owner
-        if self._keys[i] in _READ_ONLY and self._keys[j] in _READ_ONLY:
-            return  # only read
-        a, b = self._tensors[i], self._tensors[j]
-        a_local, b_local = local(a), local(b)
-        if a_local.device == b_local.device and (
-                (self._dense[i] and self._dense[j]) or _bytes_overlap(a_local, b_local)):
+        if first is not None:
+            i, j = first
             raise SharedMemoryError((self._params[i], self._keys[i]),
-                                    (self._params[j], self._keys[j]), a is b)
+                                    (self._params[j], self._keys[j]),
+                                    self._tensors[i] is self._tensors[j])
+
+    def _shared(self, i: int, j: int) -> bool:
+        if self._params[i] is self._params[j] and self._keys[i] == self._keys[j]:
+            return False  # one tensor added twice for one owner
+        if self._keys[i] in _READ_ONLY and self._keys[j] in _READ_ONLY:
+            return False  # only read
+        a_local, b_local = local(self._tensors[i]), local(self._tensors[j])
+        return a_local.device == b_local.device and (
+            (self._dense[i] and self._dense[j]) or _bytes_overlap(a_local, b_local))
 
 
 _PLAIN = (torch.Tensor, torch.nn.Parameter)

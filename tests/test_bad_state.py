@@ -59,15 +59,18 @@ def _share_state(opt, params, what):
 def test_state_shared_between_parameters_raises_naming_both_before_any_change(path, name,
                                                                              what):
     """Each backend would step a shared counter or buffer another way (twice, once, or with
-    the last writer winning): refused, naming both parameters, before any batch (here the
-    float32 one ahead) has stepped."""
+    the last writer winning): refused, naming both parameters and the key, before any batch
+    (here the float32 one ahead) has stepped."""
     params = make_params([(4,), (3, 2)]) + make_params([(4,)], dtype=torch.bfloat16)
     opt = OPTIMIZERS[name](params, backend=path, state_dtype=torch.float32)
     train(opt, params, 3)
     buffer = "exp_avg" if name == "AdaPNM" else "pos_momentum"
     _share_state(opt, params, buffer if what == "buffer" else what)
-    _assert_step_refused_untouched(opt, params, r"params'\]\[2\].* the very tensor of "
-                                                r"param_groups\[0\]\['params'\]\[0\]")
+    # A shared entry shares every key; the first in the state's order is named, in any run.
+    key = {"counter": "step", "buffer": buffer, "entry": "step"}[what]
+    _assert_step_refused_untouched(opt, params, rf"params'\]\[2\].*: its state '{key}' is the "
+                                                r"very tensor of param_groups\[0\]\['params'\]"
+                                                rf"\[0\] .*'s state '{key}'")
 
 
 @pytest.mark.parametrize("state_dtype", [torch.float32, torch.int8], ids=["fp32", "int8"])
