@@ -110,21 +110,20 @@ def lr_bound(group: dict, adaptive: bool) -> float:
     return min([LARGEST] + [LARGEST / factor for factor in per_unit_lr])
 
 
-def assert_lr_in_graph(lr, where: str, bound: float) -> None:
+def assert_lr_in_graph(lr, where: str, group: dict, adaptive: bool) -> None:
     """validate_lr's check of a CPU tensor lr's value, as an op of a traced step: dynamo
     does not guard that value, so a check at tracing would see only the lr the step was
     traced with (one filled with NaN later stepped every parameter to NaN). A device lr is
-    not checked, as in eager (a failed device assert also ends the process). `bound`:
-    lr_bound's."""
+    not checked, as in eager (a failed device assert also ends the process)."""
     if (isinstance(lr, torch.Tensor) and lr.device.type == "cpu" and lr.numel() == 1
             and lr.is_floating_point()):
         # The bound is not in the message: under dynamic=True it is symbolic (traced from the
-        # group's floats), and dynamo cannot format it.
-        torch._assert_async((lr >= 0) & (lr <= bound),
+        # group's floats), and dynamo cannot format it. The factors' names are constants.
+        factors = ", ".join(["lr"] + [name for name, _ in _lr_factors(1.0, group, adaptive)])
+        torch._assert_async((lr >= 0) & (lr <= lr_bound(group, adaptive)),
                             f"{where}: invalid lr (a tensor now NaN, negative, or so large "
-                            "that the step's float32 factors (lr, lr * weight_decay, "
-                            "lr / (1 - beta1)) pass float32's range); need a finite real "
-                            "number >= 0")
+                            f"that the step's float32 factors ({factors}) pass float32's "
+                            "range); need a finite real number >= 0")
 
 
 def check_float16_factors(hyper: "Hyper", where: str) -> None:

@@ -28,8 +28,7 @@ from .quantization import scale_name
 
 def step(optimizer, scaling: Scaling) -> None:
     for gi, group in enumerate(optimizer.param_groups):  # before any group steps
-        assert_lr_in_graph(group["lr"], f"param_groups[{gi}]",
-                           lr_bound(group, optimizer._adaptive))
+        assert_lr_in_graph(group["lr"], f"param_groups[{gi}]", group, optimizer._adaptive)
     # Every group's lists, and their counters checked, before any group steps.
     groups = []
     counters: tuple[list, list, list] = ([], [], [])  # the CPU ones, their groups and places

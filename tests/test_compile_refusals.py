@@ -135,6 +135,21 @@ def test_a_cpu_tensor_lr_filled_with_a_bad_value_is_refused_by_the_compiled_step
     assert [int(opt.state[p]["step"]) for p in params] == [2, 2]
 
 
+def test_the_in_graph_lr_refusal_names_only_the_factors_the_group_computes():
+    """PNM with coupled weight decay scales nothing but the lr: the refusal names no factor
+    its group does not compute."""
+    torch._dynamo.reset()
+    params = [torch.randn(5, requires_grad=True)]
+    lr = torch.tensor(1e-2)
+    opt = OPTIMIZERS["PNM"](params, lr=lr, weight_decay=1e-2, decoupled=False, backend="fused")
+    step = torch.compile(opt.step, backend="aot_eager")
+    params[0].grad = torch.ones_like(params[0])
+    step()
+    lr.fill_(float("nan"))
+    _assert_refused_untouched(step, opt, params, r"param_groups\[0\]: invalid lr .* factors "
+                                                 r"\(lr\) pass")
+
+
 # A float lr made bad, and what the refusal says: lr / (1 - beta1), AdaPNM's first step's
 # factor, past float32's range while the lr is within it.
 BAD_FLOAT_LR = {"negative": (-0.1, "invalid lr"), "infinite": (float("inf"), "invalid lr"),
