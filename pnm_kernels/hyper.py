@@ -231,10 +231,6 @@ class Hyper:
     def with_lr(self, lr: Lr) -> "Hyper":
         return replace(self, lr=plain_lr(lr))
 
-    def buffer_dtype(self, param_dtype: torch.dtype) -> torch.dtype:
-        """The dtype of the state buffers of a parameter of this dtype (real view's)."""
-        return param_dtype if self.state_dtype is None else self.state_dtype
-
     def in_float32(self, param_dtype: torch.dtype) -> bool:
         """Whether parameters of this dtype step in float32 with their own rounding
         (reference.steps_in_float32)."""

@@ -18,7 +18,6 @@ import torch
 import pnm_kernels.backends as backends
 from pnm_kernels import aliasing, batching, plan, traced
 from pnm_kernels.backends import base, fused
-from pnm_kernels.backends import triton as triton_backend
 from pnm_kernels.backends import triton_tables
 from pnm_kernels.hyper import Hyper
 
