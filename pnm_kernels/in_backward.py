@@ -179,8 +179,8 @@ class StepInBackward:
 
     def _ready(self, p: torch.Tensor) -> None:
         grad = p.grad
-        if grad is None:
-            return
+        if grad is None or not self.still_stepped([p]):
+            return  # taken out of the optimizer: its gradient is whoever steps it now's
         self.pass_came()
         if self._stepped_since_zeroing and not self._probing:
             self._check_zeroed(p, grad)

@@ -192,12 +192,15 @@ def test_a_refused_probe_is_retried_afresh_and_added_groups_step_in_backward():
     assert int(opt.state[extra.weight]["step"]) == 1
 
 
-def _regrouped_training(in_backward, edit_at, edit, moved):
+def _regrouped_training(in_backward, edit_at, edit, moved, loop="sgd-after"):
     """Six steps of AdaPNM in buckets of one parameter; before step `edit_at` the last bias
     or the first weight (every parameter after it then one place earlier) is taken out of
-    the group ("to-sgd": given to torch's SGD, stepped after ours) or moved
-    into a group of its own ("new-group", add_param_group with another lr). Returns the
-    model and whether that bias held a gradient after each backward pass from then on."""
+    the group ("to-sgd": given to torch's SGD) or moved into a group of its own
+    ("new-group", add_param_group with another lr). SGD's part of the loop (`loop`): it
+    steps after ours ("sgd-after") or before ("sgd-first"), clips its gradient first
+    ("sgd-clips"), or also steps after a backward pass of its own that reaches nothing of
+    ours ("sgd-own-pass"). Returns the model and whether that bias held a gradient after
+    each backward pass from then on."""
     model = _model()
     opt = AdaPNM(model.parameters(), lr=1e-2, weight_decay=0.1, backend="fused")
     if in_backward:
@@ -215,9 +218,18 @@ def _regrouped_training(in_backward, edit_at, edit, moved):
         model(x).pow(2).mean().backward()
         if t >= edit_at:
             kept.append(bias.grad is not None)
-        opt.step()
-        if other is not None:
+        if other is not None and loop == "sgd-clips":
+            torch.nn.utils.clip_grad_norm_([bias], 1e-3)
+        if other is not None and loop == "sgd-first":
             other.step()
+        opt.step()
+        if other is not None and loop != "sgd-first":
+            other.step()
+        if other is not None and loop == "sgd-own-pass":
+            other.zero_grad()
+            (bias * x.sum()).sum().backward()
+            other.step()
+        if other is not None:
             other.zero_grad()
         # After the step: zeroed before backward, the ordinary loop would add the bias's last
         # gradient from our group to its first in SGD's (our zero_grad no longer reaches it),
@@ -239,6 +251,23 @@ def test_a_parameter_taken_out_of_its_group_is_stepped_where_it_went(edit, edit_
     ordinary, _ = _regrouped_training(False, edit_at, edit, moved)
     model, kept = _regrouped_training(True, edit_at, edit, moved)
     assert all(kept) if edit == "to-sgd" else not any(kept[1:])
+    for p, q in zip(model.parameters(), ordinary.parameters()):
+        assert torch.equal(p, q)
+
+
+@pytest.mark.parametrize("edit_at", [0, 3], ids=["before-the-first-step", "mid-training"])
+@pytest.mark.parametrize("loop", ["sgd-first", "sgd-clips", "sgd-own-pass"])
+def test_what_the_new_owner_does_with_a_parameter_taken_out_is_not_this_optimizers_concern(
+        loop, edit_at):
+    """A parameter handed to another optimizer is no longer judged by the handle: that
+    optimizer stepping it before ours, clipping its gradient between backward and step, or
+    running a backward pass that reaches only it are the other's loop, which the probe and
+    the checks of later passes would otherwise refuse as edits or extra passes of ours."""
+    if "fused" not in __import__("pnm_kernels").available_backends("cpu"):
+        pytest.skip("pnm_kernels._C is not built")
+    ordinary, _ = _regrouped_training(False, edit_at, "to-sgd", "last-bias", loop)
+    model, kept = _regrouped_training(True, edit_at, "to-sgd", "last-bias", loop)
+    assert all(kept)
     for p, q in zip(model.parameters(), ordinary.parameters()):
         assert torch.equal(p, q)
 
