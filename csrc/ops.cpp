@@ -116,20 +116,22 @@ std::vector<std::string> cpu_isas() {
 }  // namespace
 }  // namespace pnm
 
-// Mutation annotations tell torch.compile/functionalization what each op writes.
+// Mutation annotations tell torch.compile/functionalization what each op writes. An argument
+// written is positional: torch takes one after `*` for an out= argument (its
+// allow_mutation_on_saved_tensors looks it up as kwargs["out"]).
 #define PNM_STEP_SCHEMA(name)                                                                 \
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] pos_momentums, "                   \
-       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, *, float lr, float beta1, "           \
-       "float beta0, float weight_decay, bool decoupled, bool maximize, "                     \
-       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "            \
-       "Tensor(e!)? blocks_done=None) -> ()"
+       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, Tensor(e!)? blocks_done=None, *, "    \
+       "float lr, float beta1, float beta0, float weight_decay, bool decoupled, "             \
+       "bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "                     \
+       "Tensor? found_inf=None) -> ()"
 #define ADAPNM_STEP_SCHEMA(name)                                                              \
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
        "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
-       "Tensor(f!)[] steps, *, float lr, float beta1, float beta2, float beta0, float eps, "  \
-       "float weight_decay, bool amsgrad, bool decoupled, bool maximize, "                    \
-       "Tensor? lr_tensor=None, Tensor? grad_scale=None, Tensor? found_inf=None, "            \
-       "Tensor(g!)? blocks_done=None) -> ()"
+       "Tensor(f!)[] steps, Tensor(g!)? blocks_done=None, *, float lr, float beta1, "         \
+       "float beta2, float beta0, float eps, float weight_decay, bool amsgrad, "              \
+       "bool decoupled, bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "     \
+       "Tensor? found_inf=None) -> ()"
 
 // State in a dtype of its own (docs/design.md §7): each parameter's seed and the elements of
 // the whole parameter before it pick the random bits of stochastic rounding.

@@ -263,12 +263,12 @@ GatheredSeeds gather_seeds(const StepCall& call);
 // The op entry points, one per schema; Impl supplies kDevice and run(const StepCall&).
 template <class Impl>
 void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
-                 at::TensorList neg_momentums, at::TensorList steps, double lr, double beta1,
+                 at::TensorList neg_momentums, at::TensorList steps,
+                 const std::optional<at::Tensor>& blocks_done, double lr, double beta1,
                  double beta0, double weight_decay, bool decoupled, bool maximize,
                  const std::optional<at::Tensor>& lr_tensor,
                  const std::optional<at::Tensor>& grad_scale,
-                 const std::optional<at::Tensor>& found_inf,
-                 const std::optional<at::Tensor>& blocks_done) {
+                 const std::optional<at::Tensor>& found_inf) {
   const StepCall call =
       make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
                     weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
@@ -280,13 +280,12 @@ void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos
 template <class Impl>
 void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
-                    at::TensorList max_exp_avg_sqs, at::TensorList steps, double lr,
-                    double beta1, double beta2, double beta0, double eps, double weight_decay,
-                    bool amsgrad, bool decoupled, bool maximize,
-                    const std::optional<at::Tensor>& lr_tensor,
+                    at::TensorList max_exp_avg_sqs, at::TensorList steps,
+                    const std::optional<at::Tensor>& blocks_done, double lr, double beta1,
+                    double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
+                    bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
                     const std::optional<at::Tensor>& grad_scale,
-                    const std::optional<at::Tensor>& found_inf,
-                    const std::optional<at::Tensor>& blocks_done) {
+                    const std::optional<at::Tensor>& found_inf) {
   const StepCall call =
       make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                        steps, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled,

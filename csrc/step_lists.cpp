@@ -282,8 +282,8 @@ void StepLists::pnm_step_on(const std::vector<at::Tensor>& p, const std::vector<
   static const auto emulated = find_op<PnmStepFn>("pnm_kernels::emulated_cuda_pnm_step_");
   const ExpectMemory expect(memory_, at);
   (emulate ? emulated : op)
-      .call(p, g, m, m_other, s, lr, beta1, beta0, weight_decay, decoupled, maximize, lr_tensor,
-            grad_scale, found_inf, blocks_done);
+      .call(p, g, m, m_other, s, blocks_done, lr, beta1, beta0, weight_decay, decoupled,
+            maximize, lr_tensor, grad_scale, found_inf);
 }
 
 void StepLists::adapnm_step_on(
@@ -299,8 +299,8 @@ void StepLists::adapnm_step_on(
       find_op<AdaPnmStepFn>("pnm_kernels::emulated_cuda_adapnm_step_");
   const ExpectMemory expect(memory_, at);
   (emulate ? emulated : op)
-      .call(p, g, m, m_other, v, v_max, s, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad,
-            decoupled, maximize, lr_tensor, grad_scale, found_inf, blocks_done);
+      .call(p, g, m, m_other, v, v_max, s, blocks_done, lr, beta1, beta2, beta0, eps,
+            weight_decay, amsgrad, decoupled, maximize, lr_tensor, grad_scale, found_inf);
 }
 
 void StateLists::pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr,

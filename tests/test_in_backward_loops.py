@@ -5,11 +5,13 @@ parameters and state bitwise, or the step inside backward is refused at the even
 ordinary loop would do what it cannot (step gradients it freed again, add a pass's gradients
 to freed ones), before that event changes anything; or, where nothing showed it coming, at
 the first event that shows it (said, after the fact)."""
+import contextlib
 import re
 
 import pytest
 import torch
 
+from cases import FAST_PATHS, parametrize
 from conftest import OPTIMIZERS, assert_same_bits
 from test_in_backward_failed_passes import _FailsInBackward
 
@@ -201,6 +203,57 @@ def test_a_gan_loop_steps_in_backward_with_the_discriminator_frozen_for_the_gene
     ordinary, (ordinary_g, ordinary_d) = _gan_loop(False, freeze_during_generator_pass=True)
     assert_same_bits(ordinary_g, ordinary[:2], opt_g, params[:2])
     assert_same_bits(ordinary_d, ordinary[2:], opt_d, params[2:])
+
+
+def _passes_over_one_graph(in_backward, name, backend, split, allow_mutation,
+                           state_dtype=None):
+    """Four steps of a two-layer model; with `split`, two backward passes over one retained
+    graph, the head's first (`inputs=`), then the trunk's, which reads the head's weights
+    the first pass stepped inside backward. The whole loop, ordinary step included, inside
+    torch.autograd.graph.allow_mutation_on_saved_tensors() with `allow_mutation`."""
+    torch.manual_seed(0)
+    trunk, head = torch.nn.Linear(6, 128), torch.nn.Linear(128, 3)  # rows of an int8 block
+    params = [*trunk.parameters(), *head.parameters()]
+    opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=state_dtype)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(4):
+        x = torch.randn(5, 6, generator=gen)
+        with (torch.autograd.graph.allow_mutation_on_saved_tensors() if allow_mutation
+              else contextlib.nullcontext()):
+            loss = head(torch.tanh(trunk(x))).square().mean()
+            if split:
+                loss.backward(inputs=list(head.parameters()), retain_graph=True)
+                loss.backward(inputs=list(trunk.parameters()))
+            else:
+                loss.backward()
+            opt.step()
+        opt.zero_grad()
+    return opt, params
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.bfloat16, torch.int8],
+                         ids=["own-state", "bf16-state", "int8-state"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-pass", "two-passes-one-graph"])
+@parametrize(FAST_PATHS)
+def test_under_allow_mutation_on_saved_tensors_parameters_saved_for_backward_step_inside_it(
+        name, path, split, state_dtype):
+    """torch's context for writing tensors autograd saved clones them before an op writes
+    them, the fused kernels' ops too (their written arguments are positional: torch takes
+    one after `*` for an out=; Triton's, written past torch's dispatcher, are shown to it):
+    the step inside backward gives the ordinary loop's bits, also where a later pass over the
+    same graph reads the weights an earlier one stepped."""
+    ordinary = _passes_over_one_graph(False, name, path, split, True, state_dtype)
+    in_backward = _passes_over_one_graph(True, name, path, split, True, state_dtype)
+    assert_same_bits(*ordinary, *in_backward)
+
+
+def test_without_it_a_pass_over_weights_stepped_by_an_earlier_pass_raises_torchs_error():
+    """What docs/design.md §9 says is not refused: the head stepped in the first pass (it is
+    stepped, not undone), and torch refuses the second pass, which saved its old weights."""
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        _passes_over_one_graph(True, "AdaPNM", "foreach", True, allow_mutation=False)
 
 
 def test_step_in_backward_takes_meta_parameters_holding_gradients():

@@ -139,6 +139,23 @@ def split_lr(lr, device, keep_float64=False):
     return 0.0, lr.to(torch.float32)
 
 
+def dispatch_mode_active() -> bool:
+    """Whether a TorchDispatchMode sees the ops run now (allow_mutation_on_saved_tensors',
+    a FlopCounterMode)."""
+    return torch._C._len_torch_dispatch_stack() > 0
+
+
+def show_writes(tensors) -> None:
+    """Triton's kernels write through raw pointers, past torch's dispatcher: a dispatch mode
+    that must see a write before it happens (allow_mutation_on_saved_tensors clones a tensor
+    autograd saved before an op writes it) is shown one: each tensor's first element copied
+    onto itself, at the tensor's address (where such a mode looks a tensor up; an empty view
+    has none). Without a mode, nothing."""
+    if dispatch_mode_active() and not torch.compiler.is_compiling():
+        firsts = [t.detach().as_strided((1,), (1,)) for t in tensors if t.numel()]
+        torch._foreach_copy_(firsts, firsts)
+
+
 def new_blocks_done(device: torch.device) -> Optional[torch.Tensor]:
     """A batch's ticket counter for steps that increment their step counters in their own
     launch: one int32, zero between steps. None inside a CUDA-graph capture, where its zeroing

@@ -12,9 +12,9 @@ import torch
 
 from ..hyper import Hyper, coefficients
 from . import triton_state
-from .base import Batch, HeldLists, Launch, Scaling, new_blocks_done, split_lr
+from .base import (Batch, HeldLists, Launch, Scaling, dispatch_mode_active, new_blocks_done,
+                   show_writes, split_lr, step_lists)
 from .triton_tables import as_device, cached, chunk_map, refuse_in_capture
-from .base import step_lists
 
 DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
@@ -117,6 +117,7 @@ class TritonBackend:
                                   batch.held)
         else:
             tables = _tables(lists, batch.steps, device, chunk)
+        show_writes([*params, *sum(lists[2:], []), *batch.steps])
         _launch(tables, config, device, dtype, hyper, scaling, batch.held)
         # The kernels wrote through raw pointers: tell autograd, as torch's in-place ops do
         # (C++ for a held batch: from Python it costs ~35 ns a tensor).
@@ -132,6 +133,8 @@ class TritonBackend:
         over several batches prepares them all before any launches."""
         from .triton_kernels import launch_config
 
+        if dispatch_mode_active():
+            return None  # the planned step shows a dispatch mode what it writes (show_writes)
         lists = held.step_lists
         needed = hyper.num_buffers
         now = lists.own_grad_pointers(use_taken, needed)

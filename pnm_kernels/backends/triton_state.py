@@ -8,7 +8,7 @@ import torch
 
 from ..hyper import Hyper, coefficients
 from ..quantization import blocks_per_row, row_length_of
-from .base import Batch, Scaling, split_int8, split_lr
+from .base import Batch, Scaling, show_writes, split_int8, split_lr
 from .triton_tables import as_device, cached, chunk_map
 
 INT8_BLOCKS = {"interpreter": 8, "gpu": 16}  # quantisation blocks a program (tests cross them)
@@ -102,6 +102,7 @@ def state_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
     ptr_table, numels, step_table, seed_table, offsets, chunk_tensor, chunk_start, n_chunks = \
         tables
     args, flags = _scalar_args(hyper, device, scaling, step_table)
+    show_writes([*params, *sum(lists[2:], []), *batch.steps])
     if n_chunks:
         _state_step_kernel[(n_chunks,)](
             ptr_table, numels, step_table, seed_table, offsets, chunk_tensor, chunk_start,
@@ -139,6 +140,7 @@ def int8_step(batch: Batch, hyper: Hyper, scaling: Scaling) -> None:
     (ptr_table, numels, step_table, seed_table, offsets, scale_table, row_table, chunk_tensor,
      chunk_start, n_chunks) = tables
     args, flags = _scalar_args(hyper, device, scaling, step_table)
+    show_writes([*params, *sum(lists[2:], []), *part.steps, *(s for lst in scales for s in lst)])
     if n_chunks:
         _int8_step_kernel[(n_chunks,)](
             ptr_table, scale_table, numels, row_table, step_table, seed_table, offsets,
