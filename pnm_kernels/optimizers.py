@@ -18,6 +18,7 @@ from .batching import BatchCache
 from .hyper import (ADAPNM_KEYS, BACKEND_NAMES, PNM_KEYS, saved_state_dtype,
                     state_dtype_from_saved, validate_group)
 from .in_backward import StepInBackward
+from .params import local
 from .plan import Planner
 from .repeat import RepeatedStep
 from .counters import as_step, convertible_step
@@ -83,6 +84,9 @@ class _PositiveNegativeMomentum(Optimizer):
         saved_codes.hold_key(self.param_groups)
 
     def load_state_dict(self, state_dict: dict) -> None:
+        if torch.is_inference_mode_enabled():  # what it converts made ordinary tensors (step)
+            with torch.inference_mode(False):
+                return self.load_state_dict(state_dict)
         # The hooks run where torch runs them around its loading, here around ours: the
         # pre-hooks first (a user's converter of another optimizer's checkpoint is checked
         # as it returns it), the post-hooks once this optimizer's state is final.
@@ -135,6 +139,11 @@ class _PositiveNegativeMomentum(Optimizer):
             for key, value in saved.get(p, {}).items():
                 if key in state and torch.is_tensor(state[key]) and state[key].dtype != value.dtype:
                     put(state, key, value.to(device=state[key].device))
+            # Tensors made under torch.inference_mode() (a checkpoint read there), which no
+            # step outside it may write, are copied.
+            for key, value in list(state.items()):
+                if torch.is_tensor(value) and local(value).is_inference():
+                    put(state, key, value.clone())
         for p, state in loaded:
             # Step counters as the backends take them, once every entry has its own dtypes
             # back; one that cannot be (no number, past a float) is left for the step to
@@ -179,6 +188,11 @@ class _PositiveNegativeMomentum(Optimizer):
     def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
+        if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+            # State made under it would be inference tensors, which no later step outside it
+            # may write (torch's optimizers leave them so): made as ordinary ones.
+            with torch.inference_mode(False):
+                return self.step(closure)
         scaling = Scaling.of(self)  # raises, naming it, before anything is touched
         handle = self._in_backward
         if handle is None:

@@ -217,12 +217,19 @@ def check_state(state: dict, p, names) -> None:
     for name in names:
         if entry.get(name) is not None:
             _check_buffer(entry, name, p)
-    if not _local(p).is_meta:  # state made by a dry run on a meta model, say
-        for key in keys_read(names):
-            value = entry.get(key)
-            if isinstance(value, torch.Tensor) and _local(value).is_meta:
-                raise StateValueError(key, "is on the meta device (no data), beside a "
-                                      "parameter with data")
+    writable = torch.is_inference_mode_enabled()
+    for key in keys_read(names):
+        value = entry.get(key)
+        if not isinstance(value, torch.Tensor):
+            continue
+        if _local(value).is_meta and not _local(p).is_meta:  # a dry run on a meta model's
+            raise StateValueError(key, "is on the meta device (no data), beside a "
+                                  "parameter with data")
+        if _local(value).is_inference() and not writable:
+            raise StateValueError(key, "is an inference tensor (made under "
+                                  "torch.inference_mode(), a checkpoint loaded there, say), "
+                                  "which nothing outside that mode may write: give it a copy "
+                                  "made outside it (`.clone()`)")
 
 
 def check_resolved(state: dict, p, names) -> None:

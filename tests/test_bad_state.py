@@ -93,6 +93,11 @@ def test_one_tensor_under_two_keys_of_a_state_raises_naming_both_before_any_chan
 
 # A value no step can use, put into int8 state (of a momentum, or its block scales), and what
 # the refusal says of it.
+def _inference_copy(t):
+    with torch.inference_mode():
+        return t.clone()
+
+
 BAD_STATE_VALUES = {
     "step of two elements": (lambda st, m: st.__setitem__("step", torch.zeros(2)),
                              r"'step' has 2 elements, not one"),
@@ -141,6 +146,11 @@ BAD_STATE_VALUES = {
                                      r"'step' is on the meta device \(no data\)"),
     "a seed on the meta device": (lambda st, m: st.__setitem__("seed", st["seed"].to("meta")),
                                   r"'seed' is on the meta device \(no data\)"),
+    # Made under torch.inference_mode(): nothing outside it may write them.
+    "an inference-mode counter": (lambda st, m: st.__setitem__("step", _inference_copy(st["step"])),
+                                  r"'step' is an inference tensor"),
+    "inference-mode codes": (lambda st, m: st.__setitem__(m, _inference_copy(st[m])),
+                             r"'{m}' is an inference tensor"),
     "a buffer on the meta device": (
         lambda st, m: st.update({m: st[m].to("meta"), f"{m}_scale": st[f"{m}_scale"].to("meta")}),
         r"'{m}' is on the meta device \(no data\), beside a parameter with data"),
@@ -157,6 +167,8 @@ def test_state_no_step_can_use_is_refused_naming_it_before_any_change(path, name
     if ("another device" in bad or "meta" in bad) and how == "loaded":
         pytest.skip("load_state_dict moves every tensor to its parameter's device, and "
                     "refuses a meta one (next test)")
+    if "inference" in bad and how == "loaded":
+        pytest.skip("load_state_dict copies an inference tensor (test_torch_optim_contract)")
     if "second moment" in bad and name == "PNM":
         pytest.skip("PNM keeps no second moment")
     momentum = "exp_avg" if name == "AdaPNM" else "pos_momentum"

@@ -11,8 +11,8 @@ import torch
 
 import cases
 from cases import FAST_PATHS, OVER_OPTIMIZERS
-from conftest import (DEVICE, OPTIMIZERS, assert_states_close, clone_params, make_params,
-                      train, with_reference)
+from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_states_close, clone_params,
+                      make_params, train, with_reference)
 
 
 @OVER_OPTIMIZERS
@@ -54,6 +54,50 @@ def test_numpy_scalar_hyper_parameters_act_as_python_numbers(path, name):
         runs.append((opt, params))
     for a, b in zip(runs[0][1], runs[1][1]):
         assert torch.equal(a, b)
+
+
+def _made_under_inference_mode(value):
+    if not torch.is_tensor(value):
+        return value
+    with torch.inference_mode():
+        return value.clone()
+
+
+@pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["own-state", "int8-state"])
+@pytest.mark.parametrize("where", ["first-step", "load-converting", "checkpoint-read"])
+@cases.parametrize(["reference"] + FAST_PATHS)
+def test_state_made_under_inference_mode_is_stepped_by_the_steps_after_it(path, name, where,
+                                                                          state_dtype):
+    """torch.inference_mode() around the first step (an evaluation helper's), around a load
+    that converts a checkpoint (counters saved as ints, the authors' format), or around the
+    read of a checkpoint loaded after it: tensors made there are inference tensors, which no
+    step outside the mode may write (torch's optimizers raise then, the first counter
+    already advanced; the kernels wrote them). The state is ordinary tensors: training goes
+    on bitwise as if no mode had been on."""
+    expected = make_params([(3, 200), (2, 128)])
+    params = clone_params(expected)
+    ordinary = OPTIMIZERS[name](expected, backend=path, state_dtype=state_dtype)
+    train(ordinary, expected, 4)
+    opt = OPTIMIZERS[name](params, backend=path, state_dtype=state_dtype)
+    if where == "first-step":
+        with torch.inference_mode():
+            train(opt, params, 1)
+    else:
+        train(opt, params, 1)
+        saved = copy.deepcopy(opt.state_dict())
+        if where == "load-converting":
+            for entry in saved["state"].values():
+                entry["step"] = int(entry["step"])
+            with torch.inference_mode():
+                opt.load_state_dict(saved)
+        else:
+            saved["state"] = {i: {k: _made_under_inference_mode(v) for k, v in entry.items()}
+                              for i, entry in saved["state"].items()}
+            opt.load_state_dict(saved)
+    assert not any(torch.is_tensor(v) and v.is_inference()
+                   for entry in opt.state.values() for v in entry.values())
+    train(opt, params, 3, start=1)
+    assert_same_bits(ordinary, expected, opt, params)
 
 
 @cases.parametrize(["reference"] + FAST_PATHS)
