@@ -86,7 +86,10 @@ class _PositiveNegativeMomentum(Optimizer):
     def load_state_dict(self, state_dict: dict) -> None:
         if torch.is_inference_mode_enabled():  # what it converts made ordinary tensors (step)
             with torch.inference_mode(False):
-                return self.load_state_dict(state_dict)
+                return self._load_state_dict(state_dict)
+        return self._load_state_dict(state_dict)
+
+    def _load_state_dict(self, state_dict: dict) -> None:
         # The hooks run where torch runs them around its loading, here around ours: the
         # pre-hooks first (a user's converter of another optimizer's checkpoint is checked
         # as it returns it), the post-hooks once this optimizer's state is final.
@@ -190,9 +193,14 @@ class _PositiveNegativeMomentum(Optimizer):
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
         if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
             # State made under it would be inference tensors, which no later step outside it
-            # may write (torch's optimizers leave them so): made as ordinary ones.
-            with torch.inference_mode(False):
-                return self.step(closure)
+            # may write (torch's optimizers leave them so): made as ordinary ones. (Not
+            # self.step: torch wraps it to run the step hooks. inference_mode(False) enables
+            # grad.)
+            with torch.inference_mode(False), torch.no_grad():
+                return self._step_with_handle(closure)
+        return self._step_with_handle(closure)
+
+    def _step_with_handle(self, closure):
         scaling = Scaling.of(self)  # raises, naming it, before anything is touched
         handle = self._in_backward
         if handle is None:

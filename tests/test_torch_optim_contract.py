@@ -80,8 +80,12 @@ def test_state_made_under_inference_mode_is_stepped_by_the_steps_after_it(path, 
     train(ordinary, expected, 4)
     opt = OPTIMIZERS[name](params, backend=path, state_dtype=state_dtype)
     if where == "first-step":
+        calls = []
+        hook = opt.register_step_pre_hook(lambda *args: calls.append(1))
         with torch.inference_mode():
             train(opt, params, 1)
+        hook.remove()
+        assert calls == [1]  # the step's hooks run once
     else:
         train(opt, params, 1)
         saved = copy.deepcopy(opt.state_dict())
