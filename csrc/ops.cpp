@@ -117,18 +117,20 @@ std::vector<std::string> cpu_isas() {
 }  // namespace pnm
 
 // Mutation annotations tell torch.compile/functionalization what each op writes. An argument
-// written is positional: torch takes one after `*` for an out= argument (its
-// allow_mutation_on_saved_tensors looks it up as kwargs["out"]).
+// written is positional and always given: torch takes one after `*` for an out= argument, and
+// its allow_mutation_on_saved_tensors looks each up in the call's arguments (kwargs["out"], or
+// a positional one, left out where it holds its default) and takes it for a tensor (so the
+// optional ticket counter is a list of none or one).
 #define PNM_STEP_SCHEMA(name)                                                                 \
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] pos_momentums, "                   \
-       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, Tensor(e!)? blocks_done=None, *, "    \
+       "Tensor(c!)[] neg_momentums, Tensor(d!)[] steps, Tensor(e!)[] blocks_done, *, "         \
        "float lr, float beta1, float beta0, float weight_decay, bool decoupled, "             \
        "bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "                     \
        "Tensor? found_inf=None) -> ()"
 #define ADAPNM_STEP_SCHEMA(name)                                                              \
   name "(Tensor(a!)[] params, Tensor[] grads, Tensor(b!)[] exp_avgs, "                        \
        "Tensor(c!)[] neg_exp_avgs, Tensor(d!)[] exp_avg_sqs, Tensor(e!)[] max_exp_avg_sqs, "  \
-       "Tensor(f!)[] steps, Tensor(g!)? blocks_done=None, *, float lr, float beta1, "         \
+       "Tensor(f!)[] steps, Tensor(g!)[] blocks_done, *, float lr, float beta1, "              \
        "float beta2, float beta0, float eps, float weight_decay, bool amsgrad, "              \
        "bool decoupled, bool maximize, Tensor? lr_tensor=None, Tensor? grad_scale=None, "     \
        "Tensor? found_inf=None) -> ()"

@@ -260,11 +260,19 @@ struct GatheredSeeds {
 };
 GatheredSeeds gather_seeds(const StepCall& call);
 
+// A list of none or one tensor (an optional argument the op writes: ops.cpp says why) as
+// the optional it stands for.
+inline std::optional<at::Tensor> one_or_none(at::TensorList list, const char* name) {
+  TORCH_CHECK(list.size() <= 1, "pnm_kernels: ", name, " takes none or one tensor, got ",
+              list.size());
+  return list.empty() ? std::nullopt : std::optional<at::Tensor>(list[0]);
+}
+
 // The op entry points, one per schema; Impl supplies kDevice and run(const StepCall&).
 template <class Impl>
 void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos_momentums,
                  at::TensorList neg_momentums, at::TensorList steps,
-                 const std::optional<at::Tensor>& blocks_done, double lr, double beta1,
+                 at::TensorList blocks_done, double lr, double beta1,
                  double beta0, double weight_decay, bool decoupled, bool maximize,
                  const std::optional<at::Tensor>& lr_tensor,
                  const std::optional<at::Tensor>& grad_scale,
@@ -272,7 +280,7 @@ void pnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList pos
   const StepCall call =
       make_pnm_call(params, grads, pos_momentums, neg_momentums, steps, lr, beta1, beta0,
                     weight_decay, decoupled, maximize, lr_tensor, grad_scale, found_inf,
-                    blocks_done, Impl::kDevice);
+                    one_or_none(blocks_done, "blocks_done"), Impl::kDevice);
   bump_versions(call);
   Impl::run(call);
 }
@@ -281,7 +289,7 @@ template <class Impl>
 void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList exp_avgs,
                     at::TensorList neg_exp_avgs, at::TensorList exp_avg_sqs,
                     at::TensorList max_exp_avg_sqs, at::TensorList steps,
-                    const std::optional<at::Tensor>& blocks_done, double lr, double beta1,
+                    at::TensorList blocks_done, double lr, double beta1,
                     double beta2, double beta0, double eps, double weight_decay, bool amsgrad,
                     bool decoupled, bool maximize, const std::optional<at::Tensor>& lr_tensor,
                     const std::optional<at::Tensor>& grad_scale,
@@ -289,7 +297,8 @@ void adapnm_step_op(at::TensorList params, at::TensorList grads, at::TensorList 
   const StepCall call =
       make_adapnm_call(params, grads, exp_avgs, neg_exp_avgs, exp_avg_sqs, max_exp_avg_sqs,
                        steps, lr, beta1, beta2, beta0, eps, weight_decay, amsgrad, decoupled,
-                       maximize, lr_tensor, grad_scale, found_inf, blocks_done, Impl::kDevice);
+                       maximize, lr_tensor, grad_scale, found_inf,
+                       one_or_none(blocks_done, "blocks_done"), Impl::kDevice);
   bump_versions(call);
   Impl::run(call);
 }

@@ -282,8 +282,8 @@ void StepLists::pnm_step_on(const std::vector<at::Tensor>& p, const std::vector<
   static const auto emulated = find_op<PnmStepFn>("pnm_kernels::emulated_cuda_pnm_step_");
   const ExpectMemory expect(memory_, at);
   (emulate ? emulated : op)
-      .call(p, g, m, m_other, s, blocks_done, lr, beta1, beta0, weight_decay, decoupled,
-            maximize, lr_tensor, grad_scale, found_inf);
+      .call(p, g, m, m_other, s, blocks_done, lr, beta1, beta0, weight_decay,
+            decoupled, maximize, lr_tensor, grad_scale, found_inf);
 }
 
 void StepLists::adapnm_step_on(

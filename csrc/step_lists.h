@@ -19,12 +19,13 @@ namespace pnm {
 // counters), converted from Python once: an eager step then converts only its gradients,
 // which for thousands of small tensors is most of the host time. Each step goes through the
 // registered ops, so every check and every device's kernel is the same as for a direct call.
-// The batch's own blocks_done counter (optional) lets a CUDA step be a single launch.
+// The batch's own blocks_done counter (none or one, as the ops take it) lets a CUDA step be a
+// single launch.
 // Buffers it does not hold (buffer2 and buffer3 for PNM, buffer3 without AMSGrad) are empty
 // lists.
 struct StepLists : torch::CustomClassHolder {
   std::vector<at::Tensor> params, buffer0, buffer1, buffer2, buffer3, steps;
-  std::optional<at::Tensor> blocks_done;
+  std::vector<at::Tensor> blocks_done;
 
   StepLists(std::vector<at::Tensor> params, std::vector<at::Tensor> buffer0,
             std::vector<at::Tensor> buffer1, std::vector<at::Tensor> buffer2,
@@ -32,7 +33,9 @@ struct StepLists : torch::CustomClassHolder {
             std::optional<at::Tensor> blocks_done)
       : params(std::move(params)), buffer0(std::move(buffer0)), buffer1(std::move(buffer1)),
         buffer2(std::move(buffer2)), buffer3(std::move(buffer3)), steps(std::move(steps)),
-        blocks_done(std::move(blocks_done)), memory_(memory_now()) {}
+        blocks_done(blocks_done.has_value() ? std::vector<at::Tensor>{*blocks_done}
+                                            : std::vector<at::Tensor>{}),
+        memory_(memory_now()) {}
 
   void pnm_step(std::vector<at::Tensor> grads, bool emulate, double lr, double beta1,
                 double beta0, double weight_decay, bool decoupled, bool maximize,

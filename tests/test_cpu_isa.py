@@ -72,7 +72,7 @@ def test_every_cpu_isa_gives_bitwise_the_emulated_cuda_result(each_cpu_isa, algo
             if adaptive and not amsgrad:
                 buffers = buffers + [[]]
             getattr(torch.ops.pnm_kernels, prefix + name)(params[op], grads, *buffers, steps,
-                                                          **kwargs)
+                                                          [], **kwargs)
     flat = lambda op: params[op] + sum(state[op][0], []) + state[op][1]  # noqa: E731
     for x, y in zip(flat("fused"), flat("emulated"), strict=True):
         assert torch.equal(x.reshape(-1).view(torch.uint8), y.reshape(-1).view(torch.uint8))
@@ -97,7 +97,7 @@ def test_the_cpu_kernel_splits_elements_between_threads_without_gaps_or_overlaps
             grads = [torch.randn(s, generator=gen) for s in shapes]
             for op, ps in params.items():
                 getattr(torch.ops.pnm_kernels, op)(ps, grads, *state[op][0], state[op][1],
-                                                   **pnm_kwargs())
+                                                   [], **pnm_kwargs())
     finally:
         torch.set_num_threads(previous)
     for op in params:
@@ -125,7 +125,7 @@ def test_low_precision_rounding_and_special_values_match_c10_bitwise(dtype, each
         bufs = [[torch.zeros_like(params[0])], [torch.ones_like(params[0])]]
         steps = [torch.zeros((), dtype=STEP)]
         for _ in range(3):
-            getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps,
+            getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps, [],
                                                **pnm_kwargs(lr=1e3, beta1=0.5))
         runs[op] = [params[0], bufs[0][0], bufs[1][0]]
     for x, y in zip(runs["pnm_step_"], runs["emulated_cuda_pnm_step_"]):
@@ -153,7 +153,7 @@ def test_adapnm_special_values_in_every_lane_match_the_emulated_cuda_body(dtype,
                 [torch.zeros_like(params[0])], [old_max.to(dtype)]]
         steps = [torch.zeros((), dtype=STEP)]
         for _ in range(3):
-            getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps,
+            getattr(torch.ops.pnm_kernels, op)(params, grads, *bufs, steps, [],
                                                **adapnm_kwargs(beta2=0.5))
         runs[op] = [params[0]] + [b[0] for b in bufs]
     for x, y in zip(runs[ADA_OPS[0]], runs[ADA_OPS[1]], strict=True):

@@ -162,7 +162,7 @@ def test_a_blocks_done_counter_on_another_device_raises():
                                         [torch.zeros(4, device="cuda")],
                                         [torch.zeros((), dtype=torch.float64, device="cuda")],
                                         lr=0.1, beta1=0.9, beta0=1.0, weight_decay=0.0, decoupled=True,
-                                        maximize=False, blocks_done=torch.zeros(1, dtype=torch.int32))
+                                        maximize=False, blocks_done=[torch.zeros(1, dtype=torch.int32)])
 
 
 @pytest.mark.parametrize("dtype", [torch.float64, torch.float32])
@@ -174,7 +174,7 @@ def test_a_float64_lr_on_the_gpu_or_the_cpu_is_read_in_full(dtype):
         z = lambda: [torch.zeros(5, dtype=dtype, device="cuda")]  # noqa: E731
         p = [torch.ones(5, dtype=dtype, device="cuda")]
         torch.ops.pnm_kernels.pnm_step_(p, [torch.ones(5, dtype=dtype, device="cuda")], z(), z(),
-                                        [torch.zeros((), dtype=torch.float64, device="cuda")],
+                                        [torch.zeros((), dtype=torch.float64, device="cuda")], [],
                                         beta1=0.9, beta0=1.0,
                                         weight_decay=0.0, decoupled=True, maximize=False, **kw)
         return p[0]

@@ -213,7 +213,9 @@ def _passes_over_one_graph(in_backward, name, backend, split, allow_mutation,
     torch.autograd.graph.allow_mutation_on_saved_tensors() with `allow_mutation`."""
     torch.manual_seed(0)
     trunk, head = torch.nn.Linear(6, 128), torch.nn.Linear(128, 3)  # rows of an int8 block
-    params = [*trunk.parameters(), *head.parameters()]
+    # Memory with gaps: no held lists, its fused step a direct call of the op.
+    gappy = torch.nn.Parameter(torch.randn(4, 256)[:, ::2])
+    params = [*trunk.parameters(), *head.parameters(), gappy]
     opt = OPTIMIZERS[name](params, lr=1e-2, backend=backend, state_dtype=state_dtype)
     if in_backward:
         opt.step_in_backward(bucket_mib=1e-6)
@@ -222,10 +224,10 @@ def _passes_over_one_graph(in_backward, name, backend, split, allow_mutation,
         x = torch.randn(5, 6, generator=gen)
         with (torch.autograd.graph.allow_mutation_on_saved_tensors() if allow_mutation
               else contextlib.nullcontext()):
-            loss = head(torch.tanh(trunk(x))).square().mean()
+            loss = head(torch.tanh(trunk(x))).square().mean() + gappy.square().mean()
             if split:
                 loss.backward(inputs=list(head.parameters()), retain_graph=True)
-                loss.backward(inputs=list(trunk.parameters()))
+                loss.backward(inputs=[*trunk.parameters(), gappy])
             else:
                 loss.backward()
             opt.step()

@@ -31,6 +31,11 @@ def pnm_kwargs(**over):
     return kw
 
 
+# The fused step ops' ticket counter (blocks_done), a list of none or one: none, the counters
+# stepped by a launch of their own.
+NO_TICKETS = dict(blocks_done=[])
+
+
 def adapnm_args(amsgrad=True, dtype=torch.float32):
     params, grads, m, m_other, steps = pnm_args(dtype=dtype)
     v = [torch.zeros_like(p) for p in params]
@@ -53,11 +58,11 @@ ADA_OPS = ["adapnm_step_", "emulated_cuda_adapnm_step_"]
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_opcheck_pnm(op, dtype):
     torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default,
-                          pnm_args(dtype=dtype), pnm_kwargs())
+                          pnm_args(dtype=dtype), pnm_kwargs(**NO_TICKETS))
     torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, pnm_args(),
                           pnm_kwargs(lr_tensor=torch.tensor(0.1), grad_scale=torch.tensor(4.0),
                                      found_inf=torch.tensor(0.0),
-                                     blocks_done=torch.zeros(1, dtype=torch.int32)))
+                                     blocks_done=[torch.zeros(1, dtype=torch.int32)]))
 
 
 def state_args(adaptive, dtype=torch.float32, state_dtype=torch.bfloat16):
@@ -107,14 +112,15 @@ def test_bad_state_op_arguments_raise_naming_the_culprit_and_write_nothing(case,
 @pytest.mark.parametrize("amsgrad", [True, False])
 def test_opcheck_adapnm(op, amsgrad):
     torch.library.opcheck(getattr(torch.ops.pnm_kernels, op).default, adapnm_args(amsgrad),
-                          adapnm_kwargs(amsgrad=amsgrad))
+                          adapnm_kwargs(amsgrad=amsgrad, **NO_TICKETS))
 
 
 def test_found_inf_skips_everything_including_the_step_counter():
     for op in OPS:
         args = pnm_args()
         before = [[t.clone() for t in lst] for lst in args]
-        getattr(torch.ops.pnm_kernels, op)(*args, **pnm_kwargs(found_inf=torch.tensor(1.0)))
+        getattr(torch.ops.pnm_kernels, op)(*args, **pnm_kwargs(found_inf=torch.tensor(1.0)),
+                                           **NO_TICKETS)
         for lst, old in zip(args, before):
             for t, o in zip(lst, old):
                 assert torch.equal(t, o)
@@ -135,7 +141,7 @@ def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
                         ("float64 tensor", adapnm_kwargs(lr=0.0, lr_tensor=lr64)),
                         ("float32 tensor", adapnm_kwargs(lr=0.0, lr_tensor=torch.tensor(lr)))):
         args = adapnm_args(dtype=dtype)
-        fn(*args, **kwargs)
+        fn(*args, **kwargs, **NO_TICKETS)
         runs[how] = args[0]
     assert all(torch.equal(a, b) for a, b in zip(runs["float"], runs["float64 tensor"]))
     if dtype == torch.float64:
@@ -143,7 +149,7 @@ def test_a_float64_lr_tensor_is_read_in_full(op, dtype):
     two = torch.tensor([lr, lr], dtype=torch.float64)
     with pytest.raises(RuntimeError,
                        match="lr_tensor must be a float32 or float64 tensor with one element"):
-        fn(*adapnm_args(dtype=dtype), **adapnm_kwargs(lr_tensor=two))
+        fn(*adapnm_args(dtype=dtype), **adapnm_kwargs(lr_tensor=two), **NO_TICKETS)
 
 
 @pytest.mark.parametrize("op", OPS)
@@ -151,8 +157,8 @@ def test_grad_scale_unscales_in_the_kernel(op):
     a, b = pnm_args(), pnm_args()
     b[1] = [g * 1024 for g in b[1]]
     fn = getattr(torch.ops.pnm_kernels, op)
-    fn(*a, **pnm_kwargs())
-    fn(*b, **pnm_kwargs(grad_scale=torch.tensor(1024.0)))
+    fn(*a, **pnm_kwargs(), **NO_TICKETS)
+    fn(*b, **pnm_kwargs(grad_scale=torch.tensor(1024.0)), **NO_TICKETS)
     for x, y in zip(a[0] + a[2] + a[4], b[0] + b[2] + b[4]):
         torch.testing.assert_close(x, y)
 
@@ -180,7 +186,7 @@ def test_bad_arguments_raise_naming_the_culprit_and_write_nothing(op, case, muta
     mutate(args)
     before = [t.clone() for t in args[0]]
     with pytest.raises(RuntimeError, match=message):
-        getattr(torch.ops.pnm_kernels, op)(*args, **pnm_kwargs())
+        getattr(torch.ops.pnm_kernels, op)(*args, **pnm_kwargs(), **NO_TICKETS)
     for t, b in zip(args[0], before):
         assert torch.equal(t, b)
 
@@ -193,7 +199,7 @@ def test_bad_scalars_raise_in_cpp(kw, message):
     """The value is in the message too: a build whose C++ runtime does not match torch's (a
     statically linked libstdc++) formats numbers wrongly or crashes here, and must not pass."""
     with pytest.raises(RuntimeError, match=message):
-        torch.ops.pnm_kernels.pnm_step_(*pnm_args(), **pnm_kwargs(**kw))
+        torch.ops.pnm_kernels.pnm_step_(*pnm_args(), **pnm_kwargs(**kw), **NO_TICKETS)
 
 
 @pytest.mark.skipif(shutil.which("nm") is None, reason="needs binutils' nm")
@@ -248,8 +254,9 @@ def _emulated_beside_the_cpu_kernel(params, num_steps, blocks_done, **hyper):
     for _ in range(num_steps):
         grads = [torch.randn(p.shape).to(p.dtype) for p in params]
         for (ps, buffers, steps), op in zip(sides, ("emulated_cuda_adapnm_step_", "adapnm_step_")):
-            getattr(torch.ops.pnm_kernels, op)(ps, grads, *buffers, steps,
-                                               **adapnm_kwargs(**hyper), blocks_done=blocks_done)
+            getattr(torch.ops.pnm_kernels, op)(
+                ps, grads, *buffers, steps, **adapnm_kwargs(**hyper),
+                blocks_done=[] if blocks_done is None else [blocks_done])
         if blocks_done is not None:
             assert blocks_done.item() == 0  # left ready for the next step
     flat = [ps + sum(buffers, []) + steps for ps, buffers, steps in sides]
@@ -268,13 +275,13 @@ def test_single_launch_counters_skip_a_found_inf_step_and_count_empty_params(lim
     try:
         args = pnm_args()
         before = [[t.clone() for t in lst] for lst in args]
-        op(*args, **pnm_kwargs(found_inf=torch.tensor(1.0)), blocks_done=blocks_done)
+        op(*args, **pnm_kwargs(found_inf=torch.tensor(1.0)), blocks_done=[blocks_done])
         for lst, old in zip(args, before):
             for t, o in zip(lst, old):
                 assert torch.equal(t, o)
         assert blocks_done.item() == 0
         empty = [[torch.zeros(0)] * 2 for _ in range(4)] + [[torch.zeros((), dtype=STEP), torch.ones((), dtype=STEP)]]
-        op(*empty, **pnm_kwargs(), blocks_done=blocks_done)
+        op(*empty, **pnm_kwargs(), blocks_done=[blocks_done])
         assert [s.item() for s in empty[4]] == [1.0, 2.0] and blocks_done.item() == 0
     finally:
         set_launch_limits()
@@ -290,7 +297,7 @@ def test_a_bad_blocks_done_counter_raises_and_writes_nothing(blocks_done, messag
     before = [[t.clone() for t in lst] for lst in args]
     with pytest.raises(RuntimeError, match=message):
         torch.ops.pnm_kernels.emulated_cuda_pnm_step_(*args, **pnm_kwargs(),
-                                                      blocks_done=blocks_done)
+                                                      blocks_done=[blocks_done])
     for lst, old in zip(args, before):
         for t, o in zip(lst, old):
             assert torch.equal(t, o)
