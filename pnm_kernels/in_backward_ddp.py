@@ -144,6 +144,9 @@ class ReducedSteps:
             return
         mine = [(p, g) for p, g in zip(bucket.parameters(), bucket.gradients())
                 if handle.watches(p)]
+        # One taken out of the optimizer is whoever steps it now's, as in _ready.
+        kept = {id(p) for p in handle.still_stepped([p for p, _ in mine])}
+        mine = [(p, g) for p, g in mine if id(p) in kept]
         if not mine:
             return
         handle.pass_came()

@@ -5,6 +5,7 @@ steps it now; one moved into another group is hooked once."""
 import weakref
 
 from . import in_backward_owners
+from .in_backward_passes import backward_pass
 from .params import is_param_list
 
 
@@ -21,6 +22,7 @@ class WatchedParams:
         self._watched: dict = {}  # id(p) -> weakref(p): the parameters hooked (or DDP's)
         self._hooked: dict = {}  # id(p) -> weakref(p): those whose gradients it frees
         self._places: dict = {}  # id(p) -> (group, index) where still_stepped last found p
+        self._searched_in = None  # the backward pass _places was last made in
         in_backward_owners.live(self)
 
     def watch(self, params) -> None:
@@ -70,16 +72,23 @@ class WatchedParams:
         groups = self.optimizer.param_groups
         kept, refound = [], False
         for p in params:
-            if not self._still_at(p, groups) and not refound:
+            if not self._still_at(p, groups) and not refound and not self._known_absent(p):
                 # A group whose params were set by hand as no list steps nothing here: its
                 # gradients stay for step(), whose planner refuses it naming the group.
                 self._places = {id(q): (gi, pi) for gi, group in enumerate(groups)
                                 if is_param_list(group["params"])
                                 for pi, q in enumerate(group["params"])}
+                self._searched_in = backward_pass()
                 refound = True
             if self._still_at(p, groups):
                 kept.append(p)
         return kept
+
+    def _known_absent(self, p) -> bool:
+        """p was in no group when they were last searched, in this backward pass: each
+        gradient of a parameter taken out would search them all again (its hook stays)."""
+        now = backward_pass()
+        return now not in (None, -1) and now == self._searched_in and id(p) not in self._places
 
     def _still_at(self, p, groups) -> bool:
         gi, pi = self._places.get(id(p), (-1, -1))
