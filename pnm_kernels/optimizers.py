@@ -291,6 +291,9 @@ class _PositiveNegativeMomentum(Optimizer):
     def _step_only(self, params, first_of_pass: bool = False) -> None:
         """An ordinary step of these parameters alone (a bucket of the step in backward; the
         first of a backward pass checked against all others' memory where any moved)."""
+        if torch.is_inference_mode_enabled():  # a backward pass run inside it: as step()
+            with torch.inference_mode(False), torch.no_grad():
+                return self._step_only(params, first_of_pass)
         names, planner, cache = self._buffer_names, self._planner, self._batches
         self._repeat.forget()  # the repeated step stands for a whole step, not a bucket
         if first_of_pass:

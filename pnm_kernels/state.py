@@ -227,9 +227,9 @@ def check_state(state: dict, p, names) -> None:
                                   "parameter with data")
         if _local(value).is_inference() and not writable:
             raise StateValueError(key, "is an inference tensor (made under "
-                                  "torch.inference_mode(), a checkpoint loaded there, say), "
-                                  "which nothing outside that mode may write: give it a copy "
-                                  "made outside it (`.clone()`)")
+                                  "torch.inference_mode()), which the step, run outside that "
+                                  "mode, cannot write: give it a copy made outside it "
+                                  "(`.clone()`)")
 
 
 def check_resolved(state: dict, p, names) -> None:

@@ -150,6 +150,15 @@ def assert_close_codes(opt_a, params_a, opt_b, params_b):
                 assert (value.int() - other.int()).abs().max() <= 1, key
 
 
+def made_under_inference_mode(value):
+    """A tensor's copy made under torch.inference_mode() (an inference tensor); anything
+    else as it is."""
+    if not torch.is_tensor(value):
+        return value
+    with torch.inference_mode():
+        return value.clone()
+
+
 def assert_same_bits(opt_a, params_a, opt_b, params_b):
     """Parameters and every state tensor bitwise equal, dtypes included."""
     for p, q in zip(params_a, params_b):

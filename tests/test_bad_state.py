@@ -9,8 +9,8 @@ import torch
 
 import cases
 from cases import FAST_PATHS
-from conftest import (DEVICE, OPTIMIZERS, assert_states_close, clone_params, make_params,
-                      train)
+from conftest import (DEVICE, OPTIMIZERS, assert_states_close, clone_params,
+                      made_under_inference_mode, make_params, train)
 from internals import triton_only_install
 
 
@@ -93,11 +93,6 @@ def test_one_tensor_under_two_keys_of_a_state_raises_naming_both_before_any_chan
 
 # A value no step can use, put into int8 state (of a momentum, or its block scales), and what
 # the refusal says of it.
-def _inference_copy(t):
-    with torch.inference_mode():
-        return t.clone()
-
-
 BAD_STATE_VALUES = {
     "step of two elements": (lambda st, m: st.__setitem__("step", torch.zeros(2)),
                              r"'step' has 2 elements, not one"),
@@ -147,9 +142,9 @@ BAD_STATE_VALUES = {
     "a seed on the meta device": (lambda st, m: st.__setitem__("seed", st["seed"].to("meta")),
                                   r"'seed' is on the meta device \(no data\)"),
     # Made under torch.inference_mode(): nothing outside it may write them.
-    "an inference-mode counter": (lambda st, m: st.__setitem__("step", _inference_copy(st["step"])),
+    "an inference-mode counter": (lambda st, m: st.__setitem__("step", made_under_inference_mode(st["step"])),
                                   r"'step' is an inference tensor"),
-    "inference-mode codes": (lambda st, m: st.__setitem__(m, _inference_copy(st[m])),
+    "inference-mode codes": (lambda st, m: st.__setitem__(m, made_under_inference_mode(st[m])),
                              r"'{m}' is an inference tensor"),
     "a buffer on the meta device": (
         lambda st, m: st.update({m: st[m].to("meta"), f"{m}_scale": st[f"{m}_scale"].to("meta")}),

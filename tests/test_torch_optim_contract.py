@@ -2,6 +2,7 @@
 without gradients, hyper-parameters as numpy scalars, lists, tensors and schedules, step hooks,
 named parameters, copies, extra group keys, version counters, clipping and freezing, and
 the optimizer stepped inside backward."""
+import contextlib
 import copy
 import pickle
 import warnings
@@ -12,7 +13,7 @@ import torch
 import cases
 from cases import FAST_PATHS, OVER_OPTIMIZERS
 from conftest import (DEVICE, OPTIMIZERS, assert_same_bits, assert_states_close, clone_params,
-                      make_params, train, with_reference)
+                      made_under_inference_mode, make_params, train, with_reference)
 
 
 @OVER_OPTIMIZERS
@@ -56,13 +57,6 @@ def test_numpy_scalar_hyper_parameters_act_as_python_numbers(path, name):
         assert torch.equal(a, b)
 
 
-def _made_under_inference_mode(value):
-    if not torch.is_tensor(value):
-        return value
-    with torch.inference_mode():
-        return value.clone()
-
-
 @pytest.mark.parametrize("state_dtype", [None, torch.int8], ids=["own-state", "int8-state"])
 @pytest.mark.parametrize("where", ["first-step", "load-converting", "checkpoint-read"])
 @cases.parametrize(["reference"] + FAST_PATHS)
@@ -95,13 +89,47 @@ def test_state_made_under_inference_mode_is_stepped_by_the_steps_after_it(path, 
             with torch.inference_mode():
                 opt.load_state_dict(saved)
         else:
-            saved["state"] = {i: {k: _made_under_inference_mode(v) for k, v in entry.items()}
+            saved["state"] = {i: {k: made_under_inference_mode(v) for k, v in entry.items()}
                               for i, entry in saved["state"].items()}
             opt.load_state_dict(saved)
     assert not any(torch.is_tensor(v) and v.is_inference()
                    for entry in opt.state.values() for v in entry.values())
     train(opt, params, 3, start=1)
     assert_same_bits(ordinary, expected, opt, params)
+
+
+def _layer_added_then_a_pass_inside_inference_mode(in_backward, name, backend):
+    """A layer's group added after the probe; the next backward pass run inside
+    torch.inference_mode() (its graph made outside), which makes the layer's state."""
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(4, 4), torch.nn.Linear(4, 4)
+    opt = OPTIMIZERS[name](a.parameters(), lr=1e-2, backend=backend)
+    if in_backward:
+        opt.step_in_backward(bucket_mib=1e-6)
+    x = torch.randn(2, 4, generator=torch.Generator().manual_seed(1))
+    a(x).sum().backward()
+    opt.step()
+    opt.zero_grad()
+    opt.add_param_group({"params": list(b.parameters())})
+    for t in range(3):
+        loss = b(a(x * t)).square().sum()
+        with torch.inference_mode() if t == 0 else contextlib.nullcontext():
+            loss.backward()
+        opt.step()
+        opt.zero_grad()
+    return opt, [*a.parameters(), *b.parameters()]
+
+
+@cases.parametrize(FAST_PATHS)
+def test_a_backward_pass_inside_inference_mode_steps_in_backward_with_ordinary_state(path,
+                                                                                      name):
+    """The step inside backward runs in the pass's mode: state it makes there is made of
+    ordinary tensors too, which the steps after it write as the ordinary loop's."""
+    opt, params = _layer_added_then_a_pass_inside_inference_mode(True, name, path)
+    assert not any(torch.is_tensor(v) and v.is_inference()
+                   for entry in opt.state.values() for v in entry.values())
+    assert_same_bits(*_layer_added_then_a_pass_inside_inference_mode(False, name, path),
+                     opt, params)
 
 
 @cases.parametrize(["reference"] + FAST_PATHS)
