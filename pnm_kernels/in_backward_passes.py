@@ -14,7 +14,9 @@ import torch
 
 def backward_pass():
     """Which backward pass is running (autograd's graph task id: -1 outside any, as in a
-    joined rank's shadow all-reduce), None where torch has no such query."""
+    joined rank's shadow all-reduce), None where torch has no such query. Under compiled
+    autograd none is: refused by name."""
+    _refuse_compiled_autograd()
     current = getattr(torch._C, "_current_graph_task_id", None)
     return None if current is None else current()
 
@@ -63,8 +65,7 @@ class PassEnds:
         reentrant checkpoint's nested pass is a pass of its own, ending before its outer
         one). Returns whether, new, this pass came after one that failed and was not
         forgotten since; that one is forgotten now."""
-        _refuse_compiled_autograd()
-        this_pass = backward_pass()
+        this_pass = backward_pass()  # refuses compiled autograd
         end = self._ends.get(this_pass)
         if end is not None and end() is not None:
             return False

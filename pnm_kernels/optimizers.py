@@ -191,11 +191,11 @@ class _PositiveNegativeMomentum(Optimizer):
     def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
-        if torch.is_inference_mode_enabled() and not torch.compiler.is_compiling():
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
             # State made under it would be inference tensors, which no later step outside it
-            # may write (torch's optimizers leave them so): made as ordinary ones. (Not
-            # self.step: torch wraps it to run the step hooks. inference_mode(False) enables
-            # grad.)
+            # may write (torch's optimizers leave them so): made as ordinary ones. (Asked
+            # after is_compiling: dynamo cannot trace the question. Not self.step: torch
+            # wraps it to run the step hooks. inference_mode(False) enables grad.)
             with torch.inference_mode(False), torch.no_grad():
                 return self._step_with_handle(closure)
         return self._step_with_handle(closure)
@@ -291,7 +291,7 @@ class _PositiveNegativeMomentum(Optimizer):
     def _step_only(self, params, first_of_pass: bool = False) -> None:
         """An ordinary step of these parameters alone (a bucket of the step in backward; the
         first of a backward pass checked against all others' memory where any moved)."""
-        if torch.is_inference_mode_enabled():  # a backward pass run inside it: as step()
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # as step()
             with torch.inference_mode(False), torch.no_grad():
                 return self._step_only(params, first_of_pass)
         names, planner, cache = self._buffer_names, self._planner, self._batches

@@ -217,7 +217,8 @@ def check_state(state: dict, p, names) -> None:
     for name in names:
         if entry.get(name) is not None:
             _check_buffer(entry, name, p)
-    writable = torch.is_inference_mode_enabled()
+    # dynamo traces neither question (check_state runs untraced, in _init_group, but may not)
+    writable = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
     for key in keys_read(names):
         value = entry.get(key)
         if not isinstance(value, torch.Tensor):

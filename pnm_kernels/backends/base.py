@@ -151,7 +151,7 @@ def show_writes(tensors) -> None:
     autograd saved before an op writes it) is shown one: each tensor's first element copied
     onto itself, at the tensor's address (where such a mode looks a tensor up; an empty view
     has none). Without a mode, nothing."""
-    if dispatch_mode_active() and not torch.compiler.is_compiling():
+    if not torch.compiler.is_compiling() and dispatch_mode_active():
         firsts = [t.detach().as_strided((1,), (1,)) for t in tensors if t.numel()]
         torch._foreach_copy_(firsts, firsts)
 
