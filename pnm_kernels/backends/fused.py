@@ -83,14 +83,15 @@ class FusedBackend:
         if hyper.adaptive:
             op = ops.emulated_cuda_adapnm_step_ if emulate else ops.adapnm_step_
             max_exp_avg_sq = batch.buffers[3] if hyper.amsgrad else []
+            # [] after the counters: no ticket counter (blocks_done), so the counters step in a
+            # launch of their own
             op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.buffers[2],
                max_exp_avg_sq, batch.steps, [], beta2=hyper.beta2, eps=hyper.eps,
                amsgrad=hyper.amsgrad, **common)
         else:
             op = ops.emulated_cuda_pnm_step_ if emulate else ops.pnm_step_
             op(batch.params, batch.grads, batch.buffers[0], batch.buffers[1], batch.steps, [],
-               **common)  # [] : no ticket counter (blocks_done), the counters a launch of
-            # their own
+               **common)
 
     def prepare_repeat(self, held: HeldLists, device: torch.device, dtype: torch.dtype,
                        hyper: Hyper, use_taken: bool) -> Optional[Launch]:
