@@ -21,7 +21,8 @@ from .params import (describe, describe_in, element_offset, holdable, kernel_bat
 from .quantization import scale_name
 from .state import (REFUSED_LOAD, BufferShapeError, CodesWithoutScalesError, ParamState,
                     StateValueError, StateWatch, check_resolved, check_state, claim_state,
-                    count_replacement, ensure_state, is_plain, keys_read)
+                    count_replacement, ensure_state, inference_tensors_writable, is_plain,
+                    keys_read)
 
 _MAX_ENTRIES = 64
 
@@ -157,9 +158,10 @@ class BatchCache:
         parameter; adds the parameters, their gradients and state to `claims`, whose check
         (check_memory) then refuses memory shared between them. Before any state is converted
         (plan.run asks it of every batch to build, traced.init_group of every group)."""
+        inference_ok = inference_tensors_writable()
         for p in params:
             with _explained(optimizer, group, p):
-                check_state(optimizer.state, p, names)
+                check_state(optimizer.state, p, names, inference_ok)
                 claims.add(p, p, PARAMETER)
                 claims.add(p.grad, p, GRADIENT)
                 claim_state(optimizer.state, p, claims, names)

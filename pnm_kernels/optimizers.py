@@ -3,6 +3,7 @@ over: under torch.compile the traced step (traced.py); else the last step repeat
 lists held in C++ (repeat.py) where nothing it depends on changed; else a planned step
 (plan.py), which checks everything before any backend touches a tensor."""
 import contextlib
+import functools
 import weakref
 from collections import OrderedDict
 from typing import Optional
@@ -30,6 +31,20 @@ _KEPT_ON_LOAD = ("state_dtype", "backend")
 # torch's __setstate__ adds its own flags to the defaults; the step has no use for them, so
 # they stay out of the groups (and of every state_dict a reloaded optimizer saves).
 _TORCH_ADDED_DEFAULTS = ("differentiable",)
+
+
+def _outside_inference_mode(method):
+    """Runs `method` outside torch.inference_mode() where it is called inside: the state it
+    makes would be inference tensors, which no later step outside the mode may write (torch's
+    optimizers leave them so). Asked after is_compiling: dynamo cannot trace the question.
+    (inference_mode(False) enables grad; the caller had none.)"""
+    @functools.wraps(method)
+    def run(*args, **kwargs):
+        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
+            with torch.inference_mode(False), torch.no_grad():
+                return method(*args, **kwargs)
+        return method(*args, **kwargs)
+    return run
 
 
 class _PositiveNegativeMomentum(Optimizer):
@@ -83,13 +98,8 @@ class _PositiveNegativeMomentum(Optimizer):
                 group.setdefault(key, value)
         saved_codes.hold_key(self.param_groups)
 
+    @_outside_inference_mode  # what it converts is then made of ordinary tensors
     def load_state_dict(self, state_dict: dict) -> None:
-        if torch.is_inference_mode_enabled():  # what it converts made ordinary tensors (step)
-            with torch.inference_mode(False):
-                return self._load_state_dict(state_dict)
-        return self._load_state_dict(state_dict)
-
-    def _load_state_dict(self, state_dict: dict) -> None:
         # The hooks run where torch runs them around its loading, here around ours: the
         # pre-hooks first (a user's converter of another optimizer's checkpoint is checked
         # as it returns it), the post-hooks once this optimizer's state is final.
@@ -188,19 +198,10 @@ class _PositiveNegativeMomentum(Optimizer):
             handle.watch(self.param_groups[-1]["params"])
 
     @torch.no_grad()
+    @_outside_inference_mode
     def step(self, closure=None):  # typed by Optimizer.step's overloads, as torch's own
         """Performs one optimization step. ``closure`` re-evaluates the model and returns the
         loss. Under torch.amp.GradScaler, grad_scale/found_inf are applied in the step."""
-        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():
-            # State made under it would be inference tensors, which no later step outside it
-            # may write (torch's optimizers leave them so): made as ordinary ones. (Asked
-            # after is_compiling: dynamo cannot trace the question. Not self.step: torch
-            # wraps it to run the step hooks. inference_mode(False) enables grad.)
-            with torch.inference_mode(False), torch.no_grad():
-                return self._step_with_handle(closure)
-        return self._step_with_handle(closure)
-
-    def _step_with_handle(self, closure):
         scaling = Scaling.of(self)  # raises, naming it, before anything is touched
         handle = self._in_backward
         if handle is None:
@@ -288,12 +289,10 @@ class _PositiveNegativeMomentum(Optimizer):
         return getattr(wrapped if wrapped is not None else self, "_in_backward", None)
 
     @torch.no_grad()
+    @_outside_inference_mode
     def _step_only(self, params, first_of_pass: bool = False) -> None:
         """An ordinary step of these parameters alone (a bucket of the step in backward; the
         first of a backward pass checked against all others' memory where any moved)."""
-        if not torch.compiler.is_compiling() and torch.is_inference_mode_enabled():  # as step()
-            with torch.inference_mode(False), torch.no_grad():
-                return self._step_only(params, first_of_pass)
         names, planner, cache = self._buffer_names, self._planner, self._batches
         self._repeat.forget()  # the repeated step stands for a whole step, not a bucket
         if first_of_pass:

@@ -190,11 +190,18 @@ CODE_DTYPES = (torch.int8, torch.uint8)
 REFUSED_LOAD = "written_by_refused_load"
 
 
-def check_state(state: dict, p, names) -> None:
+def inference_tensors_writable() -> bool:
+    """Whether a step run here may write inference tensors: while compiling (dynamo traces
+    neither question), or inside torch.inference_mode() (a step there leaves it only where
+    it may: Optimizer.step)."""
+    return torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
+
+
+def check_state(state: dict, p, names, inference_ok: bool) -> None:
     """Raises what ensure_state would raise for p's state (BufferShapeError,
     CodesWithoutScalesError, StateValueError), touching nothing: a step checks every
     parameter's state this way before it converts any (another group's state_dtype
-    switched, say)."""
+    switched, say). `inference_ok`: inference_tensors_writable(), asked once for many."""
     entry = state.get(p)
     if not entry:
         return
@@ -217,8 +224,6 @@ def check_state(state: dict, p, names) -> None:
     for name in names:
         if entry.get(name) is not None:
             _check_buffer(entry, name, p)
-    # dynamo traces neither question (check_state runs untraced, in _init_group, but may not)
-    writable = torch.compiler.is_compiling() or torch.is_inference_mode_enabled()
     for key in keys_read(names):
         value = entry.get(key)
         if not isinstance(value, torch.Tensor):
@@ -226,7 +231,7 @@ def check_state(state: dict, p, names) -> None:
         if _local(value).is_meta and not _local(p).is_meta:  # a dry run on a meta model's
             raise StateValueError(key, "is on the meta device (no data), beside a "
                                   "parameter with data")
-        if _local(value).is_inference() and not writable:
+        if _local(value).is_inference() and not inference_ok:
             raise StateValueError(key, "is an inference tensor (made under "
                                   "torch.inference_mode()), which the step, run outside that "
                                   "mode, cannot write: give it a copy made outside it "
